@@ -1,0 +1,20 @@
+# `make demo` and `make test` each do all set-up from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+.PHONY: install test demo
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+demo: $(STAMP)
+	$(VENV)/bin/prisma demo

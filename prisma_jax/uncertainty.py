@@ -1,0 +1,79 @@
+"""The introspective mechanism, all of it (INTROSPECTION.md, section by section).
+
+§1  A table `U [L, hidden]`, L = 2**n_bits, lives at `params["uncertainty"]["embedding"]`. Neutral code N = L/2.
+§2  `codes_from_logits`: the float32 natural-log entropy of each next-token distribution, normalised by ln V,
+    clipped to [0, 1] and floored onto L levels, as uint16. Written as reductions over the vocabulary axis
+    (max, Σexp, Σexp·z), so with vocab-sharded logits XLA combines per-shard partial sums and never gathers
+    `[B, V]`.
+§3  `inject`: e_i = E[x_i] + U[c_i] where c_i is a code (≥ 0) and x_i is not an image/video placeholder;
+    otherwise e_i = E[x_i]. Applied right after the token lookup, before vision features are scattered in.
+§4  `prompt_codes`: first real token of each row none (−1), every other real token N, padding none.
+    `shift_codes`: the teacher-forced rule of training pass k ≥ 2 (codes of pass k−1 move one position right
+    wherever the previous position is supervised). Generation carries the code as uint16 loop state.
+
+Codes travel as int32 with −1 for "none" wherever "none" is possible, and as uint16 where it is not.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NONE = -1  # "no injection"
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+    """H(z) = logsumexp(z) − Σ softmax(z)·z in float32 nats; −inf logits contribute nothing. [..., V] → [...]."""
+    z = logits.astype(jnp.float32)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    zc = z - m
+    e = jnp.exp(zc)                                             # 0 where z = −inf
+    s = jnp.maximum(jnp.sum(e, axis=-1), jnp.finfo(jnp.float32).tiny)  # all −inf → H clips to 0
+    ez = jnp.sum(jnp.where(e > 0, e * zc, 0.0), axis=-1)        # no 0·(−inf)
+    return jnp.log(s) - ez / s
+
+
+def codes_from_entropy(h: jax.Array, vocab_size: int, n_bits: int) -> jax.Array:
+    levels = 2**n_bits
+    x = jnp.clip(h.astype(jnp.float32) / jnp.float32(math.log(vocab_size)), 0.0, 1.0)
+    return jnp.floor(x * jnp.float32(levels - 1)).astype(jnp.uint16)
+
+
+def codes_from_logits(logits: jax.Array, n_bits: int) -> jax.Array:
+    """INTROSPECTION.md §2: [..., V] logits → [...] uint16 codes (V is the logits' last axis)."""
+    return codes_from_entropy(entropy(logits), logits.shape[-1], n_bits)
+
+
+def inject(embeds: jax.Array, table: jax.Array, input_ids: jax.Array, codes: jax.Array,
+           placeholder_ids: tuple[int, ...]) -> jax.Array:
+    """§3: embeds [B, S, D] + U[codes] where codes ≥ 0 and the token is not a vision placeholder."""
+    on = codes >= 0
+    for tok in placeholder_ids:
+        on &= input_ids != tok
+    u = jnp.take(table, jnp.maximum(codes, 0).astype(jnp.int32), axis=0).astype(embeds.dtype)
+    return jnp.where(on[..., None], embeds + u, embeds)
+
+
+def prompt_codes(attention_mask: np.ndarray, n_bits: int) -> np.ndarray:
+    """§4 prompt rule on the host: [B, S] int32, −1 at padding and at each row's first real token, N elsewhere."""
+    mask = np.asarray(attention_mask).astype(bool)
+    codes = np.where(mask, 2 ** (n_bits - 1), NONE).astype(np.int32)
+    first = np.argmax(mask, axis=1)
+    rows = np.nonzero(mask.any(axis=1))[0]
+    codes[rows, first[rows]] = NONE
+    return codes
+
+
+def shift_codes(base_codes: jax.Array, prev_codes: jax.Array, supervised: jax.Array) -> jax.Array:
+    """§4 training pass k ≥ 2: position i takes code(logits[i−1]) from the previous pass wherever position i−1
+    is supervised (its label is a real target); elsewhere the prompt rule (`base_codes`) stays.
+
+    base_codes [B, S] int32 (−1 = none), prev_codes [B, S] uint16 (code of logits at each position),
+    supervised [B, S] bool (position's label is a target). Returns [B, S] int32.
+    """
+    shifted = jnp.pad(prev_codes.astype(jnp.int32)[:, :-1], ((0, 0), (1, 0)))
+    prev_sup = jnp.pad(supervised[:, :-1], ((0, 0), (1, 0)))
+    return jnp.where(prev_sup, shifted, base_codes)

@@ -1,0 +1,115 @@
+"""The Qwen3-VL vision tower (QWEN3_VL.md §3): patch embedding, resampled position embedding, 2-D rotary,
+per-frame attention, blocks run by `lax.scan`, the patch merger and the DeepStack mergers.
+
+`vision_geometry` runs on the host (NumPy) from `image_grid_thw` alone and produces every index the device
+needs (bilinear taps and weights, rotary row/col ids, frame segment ids); `vision_tower` is the jitted math.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import VisionConfig
+from .layers import apply_rope, attention, dense, layer_norm, torch_inv_freq
+
+
+class VisionGeometry(NamedTuple):
+    """Per-patch host-computed indices for the packed `pixel_values` rows (block-major order, §3.1)."""
+    pos_idx: np.ndarray   # [4, N] int32 rows of the learned position table (bilinear taps)
+    pos_w: np.ndarray     # [4, N] float32 tap weights
+    rows: np.ndarray      # [N] int32 patch row (vision rotary)
+    cols: np.ndarray      # [N] int32 patch column
+    segment: np.ndarray   # [N] int32 frame id: attention is full within a frame, zero across
+
+
+def vision_geometry(cfg: VisionConfig, image_grid_thw: np.ndarray) -> VisionGeometry:
+    m, s = cfg.spatial_merge_size, cfg.pos_grid
+    parts: list[tuple] = []
+    seg = 0
+    for t, gh, gw in np.asarray(image_grid_thw, np.int64):
+        # patch (r, c) in merge-block-major order: (block row, block col, inner row, inner col)
+        br, bc, ir, ic = np.meshgrid(np.arange(gh // m), np.arange(gw // m), np.arange(m), np.arange(m),
+                                     indexing="ij")
+        r = (br * m + ir).ravel()
+        c = (bc * m + ic).ravel()
+        y = _coords(r, gh, s)
+        x = _coords(c, gw, s)
+        y0, x0 = np.floor(y).astype(np.int64), np.floor(x).astype(np.int64)
+        y1, x1 = np.minimum(y0 + 1, s - 1), np.minimum(x0 + 1, s - 1)
+        dy, dx = (y - y0).astype(np.float32), (x - x0).astype(np.float32)
+        one = np.float32(1)
+        idx = np.stack([y0 * s + x0, y0 * s + x1, y1 * s + x0, y1 * s + x1])
+        w = np.stack([(one - dy) * (one - dx), (one - dy) * dx, dy * (one - dx), dy * dx])
+        for _ in range(int(t)):
+            parts.append((idx, w, r, c, np.full(r.shape, seg)))
+            seg += 1
+    cat = lambda i, dt: np.concatenate([p[i] for p in parts], axis=-1).astype(dt)  # noqa: E731
+    return VisionGeometry(cat(0, np.int32), cat(1, np.float32), cat(2, np.int32), cat(3, np.int32),
+                          cat(4, np.int32))
+
+
+def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
+    """align_corners=True source coordinate of output index i (of n) on a grid of s, float32 as torch."""
+    if n == 1:
+        return np.zeros(i.shape, np.float32)
+    return (i.astype(np.float32) * np.float32(s - 1)) / np.float32(n - 1)
+
+
+def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask):
+    n, d = x.shape
+    hd = cfg.head_dim
+    h = layer_norm(p["norm1"], x, cfg.layer_norm_eps)
+    qkv = dense(p["attn"]["qkv"], h).reshape(n, 3, cfg.num_heads, hd)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
+    k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
+    o = attention(q[None], k[None], v[None], mask[None])[0].reshape(n, d)
+    x = x + dense(p["attn"]["proj"], o)
+    h = layer_norm(p["norm2"], x, cfg.layer_norm_eps)
+    h = dense(p["mlp"]["fc2"], jax.nn.gelu(dense(p["mlp"]["fc1"], h), approximate=True))
+    return x + h
+
+
+def _merge(cfg: VisionConfig, p: dict, x, norm_first: bool):
+    m2 = cfg.spatial_merge_size**2
+    if norm_first:   # final merger: LayerNorm over Dv, then the 2x2 shuffle
+        x = layer_norm(p["norm"], x, cfg.layer_norm_eps).reshape(-1, m2 * x.shape[-1])
+    else:            # DeepStack mergers: the shuffle, then LayerNorm over 4·Dv
+        x = layer_norm(p["norm"], x.reshape(-1, m2 * x.shape[-1]), cfg.layer_norm_eps)
+    return dense(p["fc2"], jax.nn.gelu(dense(p["fc1"], x), approximate=False))
+
+
+def vision_tower(cfg: VisionConfig, p: dict, pixel_values: jax.Array, geo: VisionGeometry,
+                 remat: bool = False) -> tuple[jax.Array, jax.Array]:
+    """pixel_values [N, C·T·P·P] → merged features [N/m², D] and DeepStack features [n_ds, N/m², D]."""
+    dtype = p["patch_embed"]["kernel"].dtype
+    x = dense(p["patch_embed"], pixel_values.astype(dtype))
+    table = p["pos_embed"]["embedding"].astype(jnp.float32)
+    taps = jnp.take(table, geo.pos_idx, axis=0) * geo.pos_w[..., None]            # [4, N, Dv] float32
+    x = x + (((taps[0] + taps[1]) + taps[2]) + taps[3]).astype(dtype)
+
+    inv = torch_inv_freq(cfg.head_dim // 2, cfg.rope_theta)                       # [hd/4]
+    phi = jnp.concatenate([geo.rows[:, None] * inv, geo.cols[:, None] * inv], axis=-1).astype(jnp.float32)
+    emb = jnp.concatenate([phi, phi], axis=-1)[:, None, :]                          # [N, 1, hd]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    mask = geo.segment[:, None] == geo.segment[None, :]
+
+    def body(x, lp):
+        return _block(cfg, lp, x, cos, sin, mask), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    taps_out, start = [], 0
+    stops = [(i + 1, j) for j, i in enumerate(cfg.deepstack_visual_indexes)] + [(cfg.depth, None)]
+    for end, tap in stops:   # scan the blocks between DeepStack taps; tap j reads block i's output
+        if end > start:
+            x, _ = jax.lax.scan(body, x, jax.tree.map(lambda a: a[start:end], p["blocks"]))
+        if tap is not None:
+            taps_out.append(_merge(cfg, jax.tree.map(lambda a: a[tap], p["deepstack"]), x, norm_first=False))
+        start = end
+    merged = _merge(cfg, p["merger"], x, norm_first=True)
+    deep = jnp.stack(taps_out) if taps_out else jnp.zeros((0,) + merged.shape, merged.dtype)
+    return merged, deep
