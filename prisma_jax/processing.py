@@ -1,0 +1,271 @@
+"""Chat messages and images → model inputs (NumPy), without torch or torchvision (PROCESSING.md).
+
+transformers' `Qwen3VLProcessor` cannot be built without torchvision, so `Processor` composes the two parts
+that work offline — the tokenizer (with its chat template) and the PIL-backend Qwen2-VL image processor — and
+adds the one step the combined processor does: each `<|image_pad|>` becomes t·h·w/merge² copies
+(QWEN3_VL.md §7). `build_tokenizer` writes a small offline tokenizer + image-processor directory for tests and
+demos, Qwen special tokens included.
+
+    ids = build_tokenizer(dir, ["hello", "world"])        # {'image_token_id': 5, ...}
+    proc = Processor.from_pretrained(dir)
+    enc = proc(messages=[[{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                      {"type": "text", "text": "hello"}]}]])
+    enc["input_ids"], enc["attention_mask"], enc["pixel_values"], enc["image_grid_thw"]
+
+Not here: labels / loss masks beyond `assistant_mask`, video, any device work.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+# Qwen special tokens, in the id order `build_tokenizer` gives them (ids 0..7). The vision ids 3..6 match
+# tests/hf_tiny.py's tiny configs.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>", "<|vision_pad|>")
+UNK = "<unk>"
+ROLES = ("system", "user", "assistant")
+
+# ChatML as in Qwen3-VL Instruct: no default system prompt; image item → vision_start image_pad vision_end.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' or 'image' in item -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif item['type'] == 'video' or 'video' in item -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in item -%}{{- item['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def special_token_ids(tokenizer) -> dict:
+    """The ids a model config must agree with, read from any (Qwen-style) tokenizer."""
+    get = tokenizer.convert_tokens_to_ids
+    return {"eos_token_id": get("<|im_end|>"), "pad_token_id": get("<|endoftext|>"),
+            "im_start_id": get("<|im_start|>"), "im_end_id": get("<|im_end|>"),
+            "vision_start_token_id": get("<|vision_start|>"), "vision_end_token_id": get("<|vision_end|>"),
+            "image_token_id": get("<|image_pad|>"), "video_token_id": get("<|video_pad|>")}
+
+
+def build_tokenizer(directory: str, words: list[str], min_pixels: int = 32 * 32 * 4,
+                    max_pixels: int = 256 * 256) -> dict:
+    """Write an offline word-level tokenizer (+ chat template + Qwen2-VL preprocessor_config.json) to
+    `directory`, loadable by `AutoTokenizer`, `AutoImageProcessor` and `Processor`.
+
+    Vocabulary: the 8 Qwen special tokens (ids 0..7, `SPECIAL_TOKENS` order), `<unk>` (8), `\\n` (9) and the
+    roles `system user assistant` (10..12) that the chat template needs, then `words` in order. Text splits
+    on spaces; `\\n` is its own token. Returns `special_token_ids(...)` plus
+    `vocab_size`; `image_token_id` etc. are what a tiny model config must use.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for tok in (*SPECIAL_TOKENS, UNK, "\n", *ROLES, *words):
+        if tok in vocab:
+            raise ValueError(f"duplicate vocabulary entry {tok!r}")
+        if not tok or " " in tok:
+            raise ValueError(f"vocabulary entry {tok!r} must be non-empty and contain no space")
+        vocab[tok] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(" ", behavior="removed"),
+        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+    ])
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token=UNK, pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    os.makedirs(directory, exist_ok=True)
+    fast.save_pretrained(directory)
+    write_image_processor_config(directory, min_pixels, max_pixels)
+    return {**special_token_ids(fast), "vocab_size": len(vocab)}
+
+
+def write_image_processor_config(directory: str, min_pixels: int, max_pixels: int, patch_size: int = 16,
+                                 merge_size: int = 2, temporal_patch_size: int = 2) -> None:
+    """A Qwen2-VL `preprocessor_config.json` (mean/std 0.5, bicubic, rescale 1/255)."""
+    cfg = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": int(min_pixels), "longest_edge": int(max_pixels)},
+        "min_pixels": int(min_pixels), "max_pixels": int(max_pixels),
+        "patch_size": patch_size, "temporal_patch_size": temporal_patch_size, "merge_size": merge_size,
+    }
+    with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def expand_image_tokens(text: str, grids, merge_size: int = 2, image_token: str = "<|image_pad|>") -> str:
+    """Replace the i-th `image_token` of `text` by t·h·w/merge² copies of it (grids: [N, 3] in order)."""
+    parts = text.split(image_token)
+    if len(parts) - 1 != len(grids):
+        raise ValueError(f"{len(parts) - 1} {image_token} placeholders in the text but {len(grids)} images")
+    out = [parts[0]]
+    for (t, h, w), rest in zip(grids, parts[1:]):
+        out.append(image_token * (int(t) * int(h) * int(w) // merge_size**2))
+        out.append(rest)
+    return "".join(out)
+
+
+def load_image(image):
+    """A PIL image from a PIL image, a path or an [H, W, 3] uint8 array; unreadable files → ValueError."""
+    from PIL import Image
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            with Image.open(image) as im:
+                return im.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as e:   # missing file, not an image, truncated
+            raise ValueError(f"cannot read image {os.fspath(image)!r}: {e}") from None
+    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3:
+        return Image.fromarray(np.asarray(image, np.uint8))
+    raise ValueError(f"unsupported image {type(image).__name__}: expected a PIL image, a path or [H, W, 3] uint8")
+
+
+def _message_images(conversation: list[dict]) -> list:
+    out = []
+    for msg in conversation:
+        if isinstance(msg.get("content"), list):
+            for item in msg["content"]:
+                if item.get("type") == "image" or "image" in item:
+                    img = item.get("image", item.get("path", item.get("url")))
+                    if img is None:
+                        raise ValueError("image item without 'image' / 'path'")
+                    out.append(img)
+    return out
+
+
+class Processor:
+    """Tokenizer + PIL image processor + image-token expansion; NumPy out, left padding for batches."""
+
+    def __init__(self, tokenizer, image_processor=None):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.image_token = "<|image_pad|>"
+        self.merge_size = int(getattr(image_processor, "merge_size", 2) or 2)
+        self.ids = special_token_ids(tokenizer)        # image_token_id, im_start_id, im_end_id, eos, pad, ...
+        self.image_token_id = self.ids["image_token_id"]
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.ids["pad_token_id"]
+
+    @classmethod
+    def from_pretrained(cls, directory: str) -> "Processor":
+        from transformers import AutoImageProcessor, AutoTokenizer
+        if not os.path.isdir(directory):
+            raise ValueError(f"{directory}: not a directory")
+        try:
+            tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{directory}: cannot load a tokenizer ({e})") from None
+        improc = None
+        if os.path.isfile(os.path.join(directory, "preprocessor_config.json")):
+            improc = AutoImageProcessor.from_pretrained(directory, local_files_only=True, backend="pil")
+        return cls(tok, improc)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw):
+        """One conversation (list of messages) → str; a list of conversations → list[str]. Not expanded."""
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        convs = messages if batched else [messages]
+        out = [self.tokenizer.apply_chat_template(list(c), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kw)
+               for c in convs]
+        return out if batched else out[0]
+
+    def __call__(self, text=None, images=None, messages=None, add_generation_prompt: bool = True,
+                 padding_side: str = "left") -> dict:
+        """Either `text` (str or list, already templated, one `<|image_pad|>` per image) with `images` in
+        order, or `messages` (one conversation or a list of them; images taken from their image items).
+
+        Returns NumPy `input_ids` [B, S] int64, `attention_mask` [B, S] int64, and when there are images
+        `pixel_values` [N_patches, C·T·P·P] float32 and `image_grid_thw` [N_img, 3] int64.
+        """
+        if (text is None) == (messages is None):
+            raise ValueError("give exactly one of text= or messages=")
+        if messages is not None:
+            batched = bool(messages) and isinstance(messages[0], (list, tuple))
+            convs = messages if batched else [messages]
+            if images is not None:
+                raise ValueError("with messages=, images come from the messages' image items")
+            texts = self.apply_chat_template(list(convs), add_generation_prompt=add_generation_prompt)
+            images = [img for c in convs for img in _message_images(c)]
+        else:
+            texts = [text] if isinstance(text, str) else list(text)
+            images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if not texts:
+            raise ValueError("no text given")
+        out = {}
+        n_ph = sum(t.count(self.image_token) for t in texts)
+        if n_ph != len(images):
+            raise ValueError(f"{n_ph} {self.image_token} placeholders in the text but {len(images)} images")
+        if images:
+            if self.image_processor is None:
+                raise ValueError("images given but the directory has no preprocessor_config.json")
+            pil = [load_image(im) for im in images]
+            enc = self.image_processor(images=pil, return_tensors="np")
+            out["pixel_values"] = np.asarray(enc["pixel_values"], np.float32)
+            grids = np.asarray(enc["image_grid_thw"], np.int64)
+            out["image_grid_thw"] = grids
+            expanded, k = [], 0
+            for t in texts:
+                n = t.count(self.image_token)
+                expanded.append(expand_image_tokens(t, grids[k:k + n], self.merge_size, self.image_token))
+                k += n
+            texts = expanded
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        out.update(zip(("input_ids", "attention_mask"), pad(ids, self.pad_token_id, padding_side)))
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, rows, skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(r, skip_special_tokens) for r in rows]
+
+    def assistant_mask(self, input_ids) -> np.ndarray:
+        """[B, S] bool: the tokens of assistant turns — after each `<|im_start|>assistant\\n` header up to and
+        including its `<|im_end|>` (what training supervises)."""
+        header = self.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        ids = np.asarray(input_ids)
+        mask = np.zeros(ids.shape, bool)
+        n = len(header)
+        for r, row in enumerate(ids):
+            i = 0
+            while i <= len(row) - n:
+                if list(row[i:i + n]) == header:
+                    j = i + n
+                    while j < len(row):
+                        mask[r, j] = True
+                        if row[j] == self.ids["im_end_id"]:
+                            break
+                        j += 1
+                    i = j + 1
+                else:
+                    i += 1
+        return mask
+
+
+def pad(rows: list[list[int]], pad_id: int, side: str = "left") -> tuple[np.ndarray, np.ndarray]:
+    """Ragged id lists → (ids, mask) [B, max_len] int64, padded on `side`."""
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    s = max(len(r) for r in rows)
+    ids = np.full((len(rows), s), pad_id, np.int64)
+    mask = np.zeros((len(rows), s), np.int64)
+    for i, r in enumerate(rows):
+        sl = slice(s - len(r), s) if side == "left" else slice(0, len(r))
+        ids[i, sl] = r
+        mask[i, sl] = 1
+    return ids, mask

@@ -1,0 +1,110 @@
+"""processing.py: the offline tokenizer directory, image-token expansion on known grids, chat template, padding."""
+import numpy as np
+import pytest
+from PIL import Image
+
+from prisma_jax.processing import Processor, build_tokenizer, expand_image_tokens
+
+WORDS = ["hello", "world", "describe", "this", "image."]
+
+
+@pytest.fixture(scope="module")
+def proc_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tok"))
+    # Qwen3-VL's own min/max pixels (QWEN3_VL.md §7) so the documented examples apply
+    ids = build_tokenizer(d, WORDS, min_pixels=65536, max_pixels=16777216)
+    return d, ids
+
+
+def test_special_ids_match_tiny_model_ids(proc_dir):
+    _, ids = proc_dir
+    # tests/hf_tiny.py uses VSTART, VEND, IMAGE, VIDEO = 3, 4, 5, 6
+    assert (ids["vision_start_token_id"], ids["vision_end_token_id"], ids["image_token_id"],
+            ids["video_token_id"]) == (3, 4, 5, 6)
+    assert ids["im_start_id"] == 1 and ids["eos_token_id"] == ids["im_end_id"] == 2 and ids["pad_token_id"] == 0
+    assert ids["vocab_size"] == 13 + len(WORDS)
+
+
+def test_auto_classes_load_the_directory(proc_dir):
+    from transformers import AutoImageProcessor, AutoTokenizer
+    d, ids = proc_dir
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == ids["image_token_id"]
+    ip = AutoImageProcessor.from_pretrained(d, backend="pil")
+    enc = ip(images=[Image.new("RGB", (400, 300))], return_tensors="np")   # PROCESSING.md's numbers
+    assert enc["pixel_values"].shape == (432, 1536)
+    np.testing.assert_array_equal(enc["image_grid_thw"], [[1, 18, 24]])
+
+
+@pytest.mark.parametrize("grids,counts", [([(1, 4, 6)], [6]), ([(1, 48, 64), (2, 4, 4)], [768, 8]),
+                                          ([(1, 34, 60)], [510])])
+def test_expand_image_tokens_known_grids(grids, counts):
+    text = "a" + "".join(f"<|vision_start|><|image_pad|><|vision_end|>x{i}" for i in range(len(grids)))
+    out = expand_image_tokens(text, grids, merge_size=2)
+    pieces = out.split("<|vision_start|>")[1:]
+    assert [p.split("<|vision_end|>")[0].count("<|image_pad|>") for p in pieces] == counts
+    with pytest.raises(ValueError, match="placeholders"):
+        expand_image_tokens(text, grids + [(1, 2, 2)])
+
+
+def test_chat_template_and_image_expansion(proc_dir):
+    d, ids = proc_dir
+    p = Processor.from_pretrained(d)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (100, 100), "red")},
+                                         {"type": "text", "text": "describe this image."}]}]
+    assert p.apply_chat_template(msgs) == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+                                           "describe this image.<|im_end|>\n<|im_start|>assistant\n")
+    enc = p(messages=msgs)
+    # 100×100 → 256×256 (smart_resize with min_pixels 256²) → grid 16×16 → 64 merged tokens
+    np.testing.assert_array_equal(enc["image_grid_thw"], [[1, 16, 16]])
+    assert enc["pixel_values"].shape == (256, 1536) and enc["pixel_values"].dtype == np.float32
+    row = enc["input_ids"][0]
+    assert (row == ids["image_token_id"]).sum() == 64
+    start = int(np.flatnonzero(row == ids["vision_start_token_id"])[0])
+    assert row[start + 65] == ids["vision_end_token_id"]
+    # red pixels → (255/255 − 0.5)/0.5 = 1 on the R channel (first 512 columns of each patch row are R)
+    np.testing.assert_allclose(enc["pixel_values"][:, :512], 1.0, atol=1e-6)
+
+
+def test_batch_is_left_padded_and_images_split_per_row(proc_dir, tmp_path):
+    d, ids = proc_dir
+    p = Processor.from_pretrained(d)
+    path = tmp_path / "im.png"
+    Image.new("RGB", (64, 64), "blue").save(path)
+    texts = ["hello <|vision_start|><|image_pad|><|vision_end|>", "world",
+             "<|vision_start|><|image_pad|><|vision_end|> this"]
+    enc = p(text=texts, images=[str(path), Image.new("RGB", (64, 128))])
+    np.testing.assert_array_equal(enc["image_grid_thw"], [[1, 16, 16], [1, 24, 12]])  # 64²→256², w64×h128→h384×w192
+    n = (enc["input_ids"] == ids["image_token_id"]).sum(1)
+    np.testing.assert_array_equal(n, [64, 0, 72])
+    m = enc["attention_mask"]
+    assert m.shape == enc["input_ids"].shape and m[:, -1].all()
+    assert m[1].sum() == 1 and (enc["input_ids"][1][m[1] == 0] == ids["pad_token_id"]).all()
+    assert enc["input_ids"][1, -1] == p.tokenizer.convert_tokens_to_ids("world")
+
+
+def test_assistant_mask_covers_assistant_turns_only(proc_dir):
+    d, _ = proc_dir
+    p = Processor.from_pretrained(d)
+    text = p.apply_chat_template([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"},
+                                  {"role": "user", "content": "this"}, {"role": "assistant", "content": "image."}],
+                                 add_generation_prompt=False)
+    enc = p(text=[text])
+    toks = p.tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    got = [t for t, m in zip(toks, p.assistant_mask(enc["input_ids"])[0]) if m]
+    assert got == ["world", "<|im_end|>", "image.", "<|im_end|>"]
+
+
+def test_bad_inputs(proc_dir, tmp_path):
+    d, _ = proc_dir
+    p = Processor.from_pretrained(d)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    with pytest.raises(ValueError, match="cannot read image"):
+        p(text=["<|image_pad|>"], images=[str(bad)])
+    with pytest.raises(ValueError, match="cannot read image"):
+        p(text=["<|image_pad|>"], images=[str(tmp_path / "missing.png")])
+    with pytest.raises(ValueError, match="placeholders"):
+        p(text=["hello"], images=[Image.new("RGB", (64, 64))])
+    with pytest.raises(ValueError, match="not a directory"):
+        Processor.from_pretrained(str(tmp_path / "nope"))
