@@ -10,6 +10,7 @@ import sys
 # module paths, each with `add_parser(subparsers)` that sets `func` on its parser
 COMMANDS = [
     "prisma_jax.counts",
+    "conversion.cli",
 ]
 
 
