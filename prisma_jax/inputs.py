@@ -63,7 +63,7 @@ def prepare(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None,
     if attention_mask is None:
         mask = np.ones_like(ids, dtype=bool)
     else:
-        m = _int_array(attention_mask, "attention_mask", 2)
+        m = np.asarray(attention_mask)
         if m.shape != ids.shape:
             raise ValueError(f"attention_mask shape {m.shape} != input_ids shape {ids.shape}")
         if not np.isin(m, (0, 1)).all():

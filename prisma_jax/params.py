@@ -20,6 +20,7 @@ the converter and the exporter alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterator
 
 import jax
@@ -121,6 +122,12 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
 
     `uncertainty_init`: "normal" (a fresh table, INTROSPECTION.md §1) or "zeros" (reproduces Qwen3-VL).
     """
+    return _init_jit(cfg, jnp.dtype(dtype), std, uncertainty_init, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_jit(cfg: ModelConfig, dtype, std: float, uncertainty_init: str, key: jax.Array) -> dict:
+    # one compiled program for the whole tree (eager per-leaf init would compile dozens of tiny programs)
     shapes = list(flatten(param_shapes(cfg)))
     keys = jax.random.split(key, len(shapes))
     out: dict = {}

@@ -13,7 +13,7 @@ import json
 import mmap
 import os
 import struct
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -77,9 +77,21 @@ class SafetensorsFile:
         dt, shape, a, b = self.entries[name]
         return np.frombuffer(self._mm, dtype=dt, count=(b - a) // dt.itemsize, offset=self._base + a).reshape(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident set (the OS page cache keeps them)."""
+        if self._mm is None:
+            return
+        _, _, a, b = self.entries[name]
+        start = (self._base + a) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self._base + b > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, self._base + b - start)
+
     def close(self):
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a view; the map closes when that view is freed
+                pass
         self._f.close()
 
 
@@ -139,6 +151,9 @@ class Checkpoint:
     def get(self, name: str) -> np.ndarray:
         return self.files[self.where[name]].get(name)
 
+    def release(self, name: str) -> None:
+        self.files[self.where[name]].release(name)
+
     def close(self):
         for f in self.files.values():
             f.close()
@@ -152,20 +167,33 @@ class Checkpoint:
 
 def write_file(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict | None = None) -> None:
     """Write one .safetensors file, streaming tensor bytes (the header is computed from shapes first)."""
-    tensors = list(tensors)
+    tensors = dict(tensors)
+    write_streaming(path, [(k, a.shape, a.dtype) for k, a in tensors.items()], lambda k: [tensors[k]], metadata)
+
+
+def write_streaming(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]],
+                    blocks: Callable[[str], Iterable[np.ndarray]], metadata: dict | None = None) -> None:
+    """Write one .safetensors file whose tensors arrive in pieces: `blocks(name)` yields C-order consecutive
+    row blocks of that tensor (so no whole tensor, let alone a whole shard, needs to be in memory)."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     off = 0
-    for name, a in tensors:
-        n = a.size * a.dtype.itemsize
-        header[name] = {"dtype": _NAMES[np.dtype(a.dtype)], "shape": list(a.shape), "data_offsets": [off, off + n]}
+    for name, shape, dt in specs:
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        header[name] = {"dtype": _NAMES[np.dtype(dt)], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, a in tensors:
-            f.write(np.ascontiguousarray(a).tobytes())
+        for name, shape, dt in specs:
+            want, got = header[name]["data_offsets"][1] - header[name]["data_offsets"][0], 0
+            for a in blocks(name):
+                a = np.ascontiguousarray(a, dtype=dt)
+                f.write(memoryview(a.reshape(-1).view(np.uint8)))
+                got += a.nbytes
+            if got != want:
+                raise ValueError(f"{path}: tensor {name!r} produced {got} bytes, expected {want}")
 
 
 def plan_shards(items: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_bytes: int) -> list[list[str]]:
