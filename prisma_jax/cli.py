@@ -11,6 +11,9 @@ import sys
 COMMANDS = [
     "prisma_jax.counts",
     "conversion.cli",
+    "train.cli",
+    "prisma_jax.plan",
+    "prisma_jax.demo.run",
 ]
 
 

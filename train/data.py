@@ -1,0 +1,290 @@
+"""The input pipeline (grain): conversations or synthetic tokens → fixed-shape `TrainBatch`es.
+
+    JSONL line → index pass (parse, check images exist, chat template, tokenize, assistant mask, length policy)
+               → grain MapDataset: per-host shard → shuffle(seed, reshuffled every epoch) → repeat
+               → map: load + resize images, image processor → to_iter_dataset (threads) → batch(collate)
+
+Shapes are fixed so the jitted step compiles once:
+* **padding, not packing**: one conversation per row, right-padded to `train.seq_len`. Longer samples are
+  truncated (never inside an image: the cut moves to before that image) or dropped, per `data.overlong`;
+  both are counted and reported.
+* **images**: every image is resized to `data.image_size`², so each has the same grid; each micro-batch holds
+  `b · data.max_images` image slots — the real images first, zero pixels after. The zero slots' features are
+  computed and never read, and the vision geometry is one constant.
+
+Text is tokenized once, in the index pass at start (cheap, and malformed lines or missing images fail before
+step 1, naming file and line); image decoding is lazy, in grain's read threads. Supervised tokens are the
+assistant turns (`Processor.assistant_mask`): `targets[i] = ids[i+1]` where token i+1 is supervised.
+The order is a pure function of `train.seed`; the iterator state (grain's, a small dict) goes into every
+checkpoint. `synthetic` draws tokens from a generator seeded by (seed, record index): no files at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import grain
+import jax
+import numpy as np
+
+from prisma_jax.inputs import prepare
+from prisma_jax.vision import vision_geometry
+
+from .config import Config
+from .step import TrainBatch
+
+
+@dataclasses.dataclass
+class Record:
+    ids: np.ndarray        # [n] int32, n ≤ seq_len
+    supervised: np.ndarray  # [n] bool: assistant tokens
+    images: list[str]      # absolute paths, in order, one per image run kept
+
+
+@dataclasses.dataclass
+class DataInfo:
+    records: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    skipped_malformed: int = 0
+
+    def line(self) -> str:
+        return (f"{self.records} records ({self.truncated} truncated, {self.dropped_overlong} dropped as too "
+                f"long, {self.skipped_malformed} malformed skipped)")
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+class SyntheticSource:
+    """Random tokens, every position supervised; record i is a pure function of (seed, i)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def __len__(self):
+        return 2**31 - 1
+
+    def __getitem__(self, i):
+        m, s = self.cfg.model, self.cfg.train.seq_len
+        ids = np.random.default_rng([self.cfg.train.seed, int(i)]).integers(0, m.text.vocab_size, s, dtype=np.int64)
+        banned = {m.image_token_id, m.video_token_id}
+        ok = next(t for t in range(m.text.vocab_size) if t not in banned)
+        ids[np.isin(ids, list(banned))] = ok
+        return Record(ids.astype(np.int32), np.ones(s, bool), [])
+
+
+def _fail(policy: str, info: DataInfo, msg: str):
+    if policy == "error":
+        raise ValueError(msg)
+    info.skipped_malformed += 1
+
+
+def _message_images(messages: list, where: str, base: str) -> list[str]:
+    roles = ("system", "user", "assistant")
+    out = []
+    for j, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in roles or "content" not in msg:
+            raise ValueError(f"{where}: messages[{j}] must be an object with role in {roles} and content")
+        content = msg["content"]
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"{where}: messages[{j}].content must be a string or a list of items")
+        for item in content:
+            if not isinstance(item, dict) or item.get("type") not in ("text", "image"):
+                raise ValueError(f"{where}: messages[{j}] has an item that is not {{type: text|image}}")
+            if item["type"] == "image":
+                p = item.get("image", item.get("path"))
+                if not isinstance(p, str):
+                    raise ValueError(f"{where}: messages[{j}] image item needs a local path in 'image'")
+                p = p if os.path.isabs(p) else os.path.join(base, p)
+                if not os.path.isfile(p):
+                    raise ValueError(f"{where}: image not found: {p}")
+                item["image"] = p
+                out.append(p)
+            elif not isinstance(item.get("text"), str):
+                raise ValueError(f"{where}: messages[{j}] text item needs a string 'text'")
+    if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant message (nothing to supervise)")
+    return out
+
+
+def _tokens_per_image(cfg: Config) -> int:
+    g = cfg.data.image_size // cfg.model.vision.patch_size
+    return g * g // cfg.model.vision.spatial_merge_size**2
+
+
+def _cut(cfg: Config, ids: np.ndarray, limit: int) -> int:
+    """Largest cut ≤ limit that does not split an image's vision_start … vision_end span."""
+    m = cfg.model
+    cut = limit
+    opens = np.flatnonzero(ids[:limit] == m.vision_start_token_id)
+    for o in opens[::-1]:
+        closes = np.flatnonzero(ids[o:] == m.vision_end_token_id)
+        if not len(closes) or o + closes[0] >= limit:
+            cut = o
+        else:
+            break
+    return cut
+
+
+def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataInfo]:
+    """Parse, validate and tokenize every line; apply the length policy. Errors name file and line."""
+    from prisma_jax.processing import expand_image_tokens
+
+    d, s = cfg.data, cfg.train.seq_len
+    info = DataInfo()
+    base = os.path.dirname(os.path.abspath(path))
+    grid = [1, d.image_size // cfg.model.vision.patch_size, d.image_size // cfg.model.vision.patch_size]
+    records = []
+    if not os.path.isfile(path):
+        raise ValueError(f"data.path {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                _fail(d.on_malformed, info, f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+                continue
+            try:
+                if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or not rec["messages"]:
+                    raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
+                images = _message_images(rec["messages"], where, base)
+                if len(images) > d.max_images:
+                    raise ValueError(f"{where}: {len(images)} images, more than data.max_images = {d.max_images}")
+            except ValueError as e:
+                _fail(d.on_malformed, info, str(e))
+                continue
+            text = processor.apply_chat_template(rec["messages"], add_generation_prompt=False)
+            text = expand_image_tokens(text, [grid] * len(images), cfg.model.vision.spatial_merge_size)
+            ids = np.asarray(processor.tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
+            sup = processor.assistant_mask(ids[None])[0]
+            if ids.size and (ids.min() < 0 or ids.max() >= cfg.model.text.vocab_size):
+                raise ValueError(f"{where}: token id {int(ids.max())} outside the model vocabulary "
+                                 f"{cfg.model.text.vocab_size} (processor and model disagree)")
+            if len(ids) > s:
+                if d.overlong == "drop":
+                    info.dropped_overlong += 1
+                    continue
+                cut = _cut(cfg, ids, s)
+                info.truncated += 1
+                ids, sup = ids[:cut], sup[:cut]
+                images = images[:int(np.sum(ids == cfg.model.image_token_id)) // _tokens_per_image(cfg)]
+            records.append(Record(ids.astype(np.int32), sup.astype(bool), images))
+    info.records = len(records)
+    if not records:
+        raise ValueError(f"{path}: no usable records ({info.line()})")
+    return records, info
+
+
+# ---------------------------------------------------------------------------------------------- per record
+
+class LoadImages:
+    """grain map: a `Record` → dict of fixed-length arrays plus this record's pixel rows."""
+
+    def __init__(self, cfg: Config, image_processor):
+        self.cfg, self.improc = cfg, image_processor
+        g = cfg.data.image_size // cfg.model.vision.patch_size
+        self.grid = np.array([1, g, g])
+
+    def __call__(self, rec: Record) -> dict:
+        s = self.cfg.train.seq_len
+        n = len(rec.ids)
+        ids = np.zeros(s, np.int32)
+        ids[:n] = rec.ids
+        sup = np.zeros(s, bool)
+        sup[:n] = rec.supervised
+        out = {"ids": ids, "mask": np.arange(s) < n, "supervised": sup, "pixels": None}
+        if rec.images:
+            from PIL import Image
+
+            from prisma_jax.processing import load_image
+            size = self.cfg.data.image_size
+            pil = [load_image(p).resize((size, size), Image.BICUBIC) for p in rec.images]
+            enc = self.improc(images=pil, return_tensors="np")
+            grids = np.asarray(enc["image_grid_thw"])
+            if not (grids == self.grid).all():
+                raise ValueError(f"the image processor resized {size}×{size} images to grid {grids[0].tolist()}, "
+                                 f"not {self.grid.tolist()}: make data.image_size² fit its min/max_pixels")
+            out["pixels"] = np.asarray(enc["pixel_values"], np.float32)
+        return out
+
+
+class Collate:
+    """Samples of one per-host batch → `TrainBatch` (NumPy) with a leading grad_accum axis."""
+
+    def __init__(self, cfg: Config, per_host_batch: int):
+        self.cfg = cfg
+        self.a = cfg.train.grad_accum
+        self.b = per_host_batch // self.a
+        v = cfg.model.vision
+        g = cfg.data.image_size // v.patch_size
+        self.grid = [1, g, g]
+        self.patches = g * g                                     # pixel rows per image
+        self.slots = self.b * cfg.data.max_images
+        self.geometry = (vision_geometry(v, np.array([[1, g, g]] * self.slots)) if self.slots else None)
+
+    def __call__(self, samples: list[dict]) -> TrainBatch:
+        m = self.cfg.model
+        cols = {k: [] for k in TrainBatch._fields if k != "geometry"}
+        for a in range(self.a):
+            rows = samples[a * self.b:(a + 1) * self.b]
+            ids = np.stack([r["ids"] for r in rows])
+            mask = np.stack([r["mask"] for r in rows])
+            sup = np.stack([r["supervised"] for r in rows])
+            pix = [r["pixels"] for r in rows if r["pixels"] is not None]
+            pv = np.concatenate(pix) if pix else None
+            grids = None if pv is None else np.array([self.grid] * (len(pv) // self.patches))
+            b = prepare(m, ids, mask, pv, grids)                  # validation, positions, prompt-rule codes
+            targets = np.where(np.pad(sup[:, 1:], ((0, 0), (0, 1))), np.pad(ids[:, 1:], ((0, 0), (0, 1))), -1)
+            cols["input_ids"].append(b.input_ids)
+            cols["attention_mask"].append(b.attention_mask)
+            cols["codes"].append(b.codes)
+            cols["positions"].append(b.positions)
+            cols["targets"].append(targets.astype(np.int32))
+            if self.slots:
+                full = np.zeros((self.slots * self.patches, m.vision.patch_dim), np.float32)
+                if pv is not None:
+                    full[:len(pv)] = pv
+                cols["pixel_values"].append(full)
+        out = {k: np.stack(v) if v else None for k, v in cols.items()}
+        return TrainBatch(**out, geometry=self.geometry)
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+def build(cfg: Config, workdir: str):
+    """(grain IterDataset of TrainBatch, DataInfo). Per-host: rows `process_index::process_count`."""
+    d, t = cfg.data, cfg.train
+    hosts, host = jax.process_count(), jax.process_index()
+    if t.batch_size % (hosts * t.grad_accum):
+        raise ValueError(f"train.batch_size {t.batch_size} must divide into {hosts} hosts × "
+                         f"{t.grad_accum} micro-batches")
+    per_host = t.batch_size // hosts
+    if d.source == "synthetic":
+        ds, info, improc = grain.MapDataset.source(SyntheticSource(cfg)), DataInfo(records=-1), None
+    else:
+        from prisma_jax.processing import Processor
+        path, proc_dir = d.path, d.processor
+        if d.source == "tiny_sft":
+            from .tiny_sft import generate
+            path, proc_dir = generate(os.path.join(workdir, "tiny_sft_data"))
+        processor = Processor.from_pretrained(proc_dir)
+        records, info = index_jsonl(cfg, path, processor)
+        improc = processor.image_processor
+        if d.max_images and improc is None:
+            raise ValueError(f"{proc_dir}: no preprocessor_config.json but data.max_images = {d.max_images}")
+        ds = grain.MapDataset.source(records)
+        if len(records) < hosts:
+            raise ValueError(f"{len(records)} records cannot be sharded over {hosts} hosts")
+    ds = ds[host::hosts]
+    if d.shuffle and d.source != "synthetic":
+        ds = ds.shuffle(seed=t.seed)
+    ds = ds.repeat(None).map(LoadImages(cfg, improc))
+    opts = grain.ReadOptions(num_threads=d.num_threads, prefetch_buffer_size=max(2 * per_host, 1))
+    it = ds.to_iter_dataset(opts).batch(per_host, drop_remainder=True, batch_fn=Collate(cfg, per_host))
+    return it, info

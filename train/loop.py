@@ -1,0 +1,174 @@
+"""The training loop: data → jitted step → metrics, checkpoints, preemption.
+
+Workdir layout::
+
+    DIR/checkpoints/<step>/{state, data, meta}   Orbax: TrainState (params, optimizer, step, RNG), grain
+                                                 iterator state, the model config (checked on resume)
+    DIR/metrics.jsonl                            one JSON object per logged step
+    DIR/tb/                                      the same scalars for TensorBoard (tensorboardX)
+
+Running again with the same DIR resumes from its latest checkpoint; with the same config the losses equal
+those of an uninterrupted run bit for bit (the step is deterministic, the state and the iterator position
+are restored exactly). `stop_at` (the CLI's `--steps N`) ends the run after global step N without touching
+the schedule, which `train.steps` defines. SIGTERM (a TPU preemption notice) lets the current step finish,
+saves, and returns normally (exit 0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from . import data as data_mod
+from .config import Config
+from .step import TrainState, init_state, make_train_step
+
+
+class _Preempted:
+    def __init__(self):
+        self.flag = False
+
+    def __call__(self, signum, frame):
+        self.flag = True
+
+
+def _manager(cfg: Config, workdir: str) -> ocp.CheckpointManager:
+    k = cfg.checkpoint
+    opts = ocp.CheckpointManagerOptions(save_interval_steps=k.every, max_to_keep=k.keep,
+                                        enable_async_checkpointing=k.asynchronous)
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"), options=opts,
+                                 item_names=("state", "data", "meta"))
+
+
+def _diff(a: dict, b: dict, prefix="") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: checkpoint {va!r}, config {vb!r}")
+    return out
+
+
+def _as_dict(state: TrainState) -> dict:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
+
+
+def _initial_params(cfg: Config):
+    if cfg.train.init is None:
+        return None
+    from prisma_jax.loading import load_hf
+    params, mcfg = load_hf(cfg.train.init, dtype="float32")
+    if mcfg != cfg.model:
+        raise ValueError(f"train.init {cfg.train.init}: its model differs from the config's model: "
+                         + "; ".join(_diff(mcfg.to_dict(), cfg.model.to_dict())[:4]))
+    return params
+
+
+def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator) -> TrainState:
+    """The latest checkpoint in the manager's directory (checked to hold this model), or a fresh state."""
+    latest = mngr.latest_step()
+    if latest is None:
+        return init_state(cfg, _initial_params(cfg))
+    meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    diff = _diff(meta.get("model", {}), json.loads(json.dumps(cfg.model.to_dict())))
+    if diff:
+        raise ValueError(f"{mngr.directory} holds a checkpoint (step {latest}) of a different model ("
+                         + "; ".join(diff[:4]) + "): use another --workdir")
+    target = jax.eval_shape(lambda: _as_dict(init_state(cfg)))
+    got = mngr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                        data=ocp.args.JsonRestore()))
+    iterator.set_state(got["data"])
+    s = got["state"]
+    return TrainState(s["step"], s["params"], s["opt_state"], s["rng"])
+
+
+def _trim_metrics(path: str, upto: int) -> None:
+    """Drop metric lines past the restored step (written after the checkpoint, before an interruption)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= upto]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = True, log=print) -> dict:
+    """Train until global step `stop_at` (default train.steps) or SIGTERM; returns the last metrics."""
+    os.makedirs(workdir, exist_ok=True)
+    stop_at = cfg.train.steps if stop_at is None else stop_at
+    if stop_at < 1:
+        raise ValueError(f"--steps must be ≥ 1, got {stop_at}")
+    dataset, info = data_mod.build(cfg, workdir)
+    iterator = iter(dataset)
+    mngr = _manager(cfg, workdir)
+    try:
+        state = restore_or_init(cfg, mngr, iterator)
+        start = int(state.step)
+        log(f"data: {info.line() if info.records >= 0 else 'synthetic'}; "
+            f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}")
+        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log)
+    finally:
+        mngr.close()
+
+
+def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log):
+    from tensorboardX import SummaryWriter
+    from tqdm import tqdm
+
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    _trim_metrics(metrics_path, start)
+    meta = {"model": cfg.model.to_dict(), "config": cfg.to_dict()}
+    step_fn = jax.jit(make_train_step(cfg, state.params), donate_argnums=0)
+    preempted = _Preempted()
+    old = signal.signal(signal.SIGTERM, preempted)
+    writer = SummaryWriter(os.path.join(workdir, "tb"))
+    bar = tqdm(total=stop_at, initial=start, disable=not progress, file=sys.stderr, desc="train", unit="step")
+    last: dict = {}
+    step = start
+
+    def save(step, st, data_state, force=False):
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(st)),
+                                                data=ocp.args.JsonSave(data_state),
+                                                meta=ocp.args.JsonSave(meta)), force=force)
+    try:
+        with open(metrics_path, "a") as mf:
+            while step < stop_at:
+                t0 = time.perf_counter()
+                batch = next(iterator)
+                data_state = iterator.get_state()          # position after this batch = after this step
+                state, m = step_fn(state, batch)
+                m = jax.device_get(m)
+                dt = time.perf_counter() - t0
+                step += 1
+                n_in = int(np.sum(batch.attention_mask))
+                last = {"step": step, **{k: float(v) for k, v in m.items()}, "tokens_per_sec": n_in / dt,
+                        "step_time": dt}
+                if step % cfg.train.log_every == 0 or step == stop_at:
+                    mf.write(json.dumps(last) + "\n")
+                    mf.flush()
+                    for k, v in last.items():
+                        if k != "step":
+                            writer.add_scalar(f"train/{k}", v, step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
+                done = step == stop_at or preempted.flag
+                save(step, state, data_state, force=done)
+                if preempted.flag:
+                    log(f"SIGTERM: saved step {step}, exiting")
+                    break
+        mngr.wait_until_finished()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        bar.close()
+        writer.close()
+    return last

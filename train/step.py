@@ -1,0 +1,188 @@
+"""The training step: a pure `train_step(state, batch) -> (state, metrics)`, jit-able, no host work.
+
+    for each micro-batch (lax.scan over grad_accum):
+        codes ← prompt rule;  P−1 stop-gradient passes: codes ← shift_codes(code(logits))   (INTROSPECTION §4)
+        last pass with gradients: logits → cross-entropy over supervised targets (sum)
+    grads / (supervised tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
+
+Master weights and optimizer state are float32; `compute_dtype` bfloat16 casts a copy of the params for the
+forward and backward (gradients arrive in float32 through the cast). Frozen groups are stop-gradient'd in
+the forward and get `optax.set_to_zero` updates, so they do not move by a single bit. `remat` picks what the
+scanned decoder layers keep for the backward pass.
+
+Not here: data, checkpoints, logging (train/data.py, train/loop.py).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from prisma_jax.model import Batch, head, hidden
+from prisma_jax.params import init_params
+from prisma_jax.uncertainty import codes_from_logits, shift_codes
+from prisma_jax.vision import VisionGeometry
+
+from .config import Config
+
+LOW, HIGH = 0.25, 0.75   # code summary thresholds, as fractions of the code range [0, L−1]
+
+
+class TrainBatch(NamedTuple):
+    """One global (per-host) batch split into A = grad_accum micro-batches of b rows."""
+    input_ids: jax.Array        # [A, b, S] int32
+    attention_mask: jax.Array   # [A, b, S] bool
+    codes: jax.Array            # [A, b, S] int32 prompt-rule codes (−1 = none)
+    positions: jax.Array        # [A, 3, b, S] int32 M-RoPE positions
+    targets: jax.Array          # [A, b, S] int32 next-token target of each position, −1 = not supervised
+    pixel_values: jax.Array | None = None   # [A, N_patch, C·T·P·P] (real images first, then zero slots)
+    geometry: VisionGeometry | None = None  # the same for every micro-batch (fixed image size and slots)
+
+
+class TrainState(NamedTuple):
+    step: jax.Array             # int32 scalar: optimizer steps taken
+    params: dict                # float32 master weights
+    opt_state: optax.OptState
+    rng: jax.Array              # uint32 [2]; advanced every step (the model itself draws nothing)
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+def schedule(cfg: Config) -> optax.Schedule:
+    o, steps = cfg.optimizer, cfg.train.steps
+    warm = min(o.warmup_steps, steps - 1) if steps > 1 else 0
+    return optax.warmup_cosine_decay_schedule(0.0 if warm else o.lr, o.lr, warm, max(steps, warm + 1),
+                                              end_value=o.lr * o.end_lr_ratio)
+
+
+def frozen_mask(cfg: Config, params: dict) -> dict:
+    """Same tree as params, True where the leaf belongs to a frozen group."""
+    groups = set(cfg.train.freeze)
+
+    def is_frozen(path, _):
+        keys = [getattr(k, "key", None) for k in path]
+        top, sub = keys[0], keys[1] if len(keys) > 1 else None
+        return bool(top in groups or (top == "text" and ("text" in groups or
+                    (sub == "embed" and "embed" in groups) or (sub in ("layers", "norm") and "layers" in groups))))
+    return jax.tree_util.tree_map_with_path(is_frozen, params)
+
+
+def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
+    o = cfg.optimizer
+    decay = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)   # noqa: E731  matrices only
+    tx = optax.adamw(schedule(cfg), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay)
+    if o.clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
+    labels = jax.tree.map(lambda f: "frozen" if f else "train", frozen_mask(cfg, params))
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def init_state(cfg: Config, params: dict | None = None) -> TrainState:
+    """Fresh state: float32 params (random from train.seed unless given), optimizer state, step 0."""
+    key = jax.random.PRNGKey(cfg.train.seed)
+    if params is None:
+        params = init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg, params).init(params), key)
+
+
+# ---------------------------------------------------------------------------------------------- forward + loss
+
+def remat_policy(name: str):
+    return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
+
+
+def micro(batch: TrainBatch, i) -> tuple[Batch, jax.Array]:
+    """Micro-batch i as a model `Batch` and its targets."""
+    pv = None if batch.pixel_values is None else batch.pixel_values[i]
+    return (Batch(batch.input_ids[i], batch.attention_mask[i], batch.codes[i], batch.positions[i], pv,
+                  batch.geometry), batch.targets[i])
+
+
+def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
+    """Logits [b, S, V] (float32) of the last introspection pass, and the codes it was fed.
+
+    Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised the
+    code of pass k−1's logits there (`shift_codes`), every other position keeps the prompt rule.
+    """
+    m = cfg.model
+    supervised = targets >= 0
+    codes = mb.codes
+    if cfg.train.introspection_passes > 1:
+        fixed = jax.lax.stop_gradient(params)
+
+        def one_pass(c, _):
+            h, _ = hidden(m, fixed, mb._replace(codes=c))
+            return shift_codes(mb.codes, codes_from_logits(head(m, fixed, h), m.n_bits), supervised), None
+        codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)
+    h, _ = hidden(m, params, mb._replace(codes=codes), remat_policy=remat_policy(remat))
+    return head(m, params, h).astype(jnp.float32), codes
+
+
+def _micro_loss(params, cfg: Config, mb: Batch, targets):
+    """Summed cross-entropy over supervised positions, and code statistics (sums) of the last pass."""
+    logits, _ = training_logits(cfg, params, mb, targets, cfg.train.remat)    # [b, S, V] float32
+    sup = targets >= 0
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    loss_sum = jnp.sum(jnp.where(sup, lse - tgt, 0.0))
+    frac = codes_from_logits(jax.lax.stop_gradient(logits), cfg.model.n_bits).astype(jnp.float32)
+    frac = frac / (cfg.model.n_levels - 1)
+    s = sup.astype(jnp.float32)
+    stats = {"code_sum": jnp.sum(frac * s), "code_low": jnp.sum((frac < LOW) * s),
+             "code_high": jnp.sum((frac > HIGH) * s)}
+    return loss_sum, stats
+
+
+def compute_params(cfg: Config, params: dict, frozen: dict) -> dict:
+    """The params the forward sees: frozen leaves stop-gradient'd, all cast to the compute dtype."""
+    dt = jnp.dtype(cfg.train.compute_dtype)
+    return jax.tree.map(lambda p, f: (jax.lax.stop_gradient(p) if f else p).astype(dt), params, frozen)
+
+
+def grads_and_stats(cfg: Config, params: dict, batch: TrainBatch):
+    """Mean-over-tokens loss gradients (float32) accumulated over the micro-batches, and summed statistics."""
+    frozen = frozen_mask(cfg, params)
+    n_tok = jnp.sum(batch.targets >= 0).astype(jnp.float32)
+
+    def f(p, mb, tg):
+        return _micro_loss(compute_params(cfg, p, frozen), cfg, mb, tg)
+
+    def body(carry, i):
+        g_acc, l_acc, st_acc = carry
+        mb, tg = micro(batch, i)
+        (l, st), g = jax.value_and_grad(f, has_aux=True)(params, mb, tg)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, st_acc, st)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    st0 = {k: jnp.zeros((), jnp.float32) for k in ("code_sum", "code_low", "code_high")}
+    (g, loss_sum, st), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), st0),
+                                        jnp.arange(batch.input_ids.shape[0]))
+    denom = jnp.maximum(n_tok, 1.0)
+    g = jax.tree.map(lambda x: x / denom, g)
+    return g, loss_sum / denom, n_tok, st
+
+
+def make_train_step(cfg: Config, params_like: dict | None = None):
+    """`train_step(state, batch) -> (state, metrics)` for this config (pure; jit it, donating the state)."""
+    tx = None if params_like is None else make_optimizer(cfg, params_like)
+    sched = schedule(cfg)
+
+    def train_step(state: TrainState, batch: TrainBatch):
+        opt = tx or make_optimizer(cfg, state.params)
+        g, loss, n_tok, st = grads_and_stats(cfg, state.params, batch)
+        trainable = jax.tree.map(lambda x, f: jnp.zeros_like(x) if f else x, g, frozen_mask(cfg, g))
+        updates, opt_state = opt.update(g, state.opt_state, state.params)
+        params = jax.tree.map(lambda new, old, f: old if f else new, optax.apply_updates(state.params, updates),
+                              state.params, frozen_mask(cfg, state.params))
+        n = jnp.maximum(n_tok, 1.0)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(trainable), "lr": sched(state.step),
+                   "tokens": n_tok, "code_mean": st["code_sum"] / n, "code_low": st["code_low"] / n,
+                   "code_high": st["code_high"] / n}
+        rng, _ = jax.random.split(state.rng)
+        return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+    return train_step
