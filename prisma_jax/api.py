@@ -5,6 +5,11 @@
     codes = model.uncertainty_codes(logits)
     model.params, model.config
 
+    model = PrismaVL.from_pretrained(path, dtype="bfloat16", mesh={"data": 2, "fsdp": 2, "tensor": 2})  # or "cpu-8"
+
+With a mesh (a `sharding.MeshSpec`, a dict of axis sizes, a preset name or a `jax.sharding.Mesh`), every
+parameter is created directly in its sharding (distribute.py) and the entry points run under that mesh.
+
 Inputs are checked on the host (`inputs.prepare`) before any device work; the math is `model.forward` under
 `jax.jit` with the config static. The object holds data only (config, params, generation defaults): every
 compiled entry point is a pure function of them.
@@ -24,6 +29,7 @@ from .config import ModelConfig, load_config
 from .inputs import prepare
 from .loading import load_hf, resolve_dtype
 from .params import init_params
+from .sharding import make_mesh
 from .uncertainty import codes_from_logits
 
 _forward = jax.jit(M.forward, static_argnums=0)
@@ -32,26 +38,53 @@ _codes = jax.jit(codes_from_logits, static_argnums=1)
 
 class PrismaVL:
     def __init__(self, config: ModelConfig, params: dict, generation_config: dict | None = None,
-                 path: str | None = None):
+                 path: str | None = None, mesh: jax.sharding.Mesh | None = None):
         self.config = config
         self.params = params
         self.generation_config = generation_config or {}
         self.path = path
+        self.mesh = mesh
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, path: str, dtype="float32", uncertainty_init: str = "zeros", seed: int = 0):
-        """A Hugging Face Qwen3-VL / Prisma-VL checkpoint directory (safetensors)."""
+    def from_pretrained(cls, path: str, dtype="float32", uncertainty_init: str = "zeros", seed: int = 0,
+                        mesh=None):
+        """A Hugging Face Qwen3-VL / Prisma-VL checkpoint directory (safetensors), or an Orbax directory written
+        by `prisma convert hf-to-orbax`; `mesh` shards it on load."""
+        from conversion import is_converted, restore_params
+
+        if is_converted(path):   # each shard restored straight onto its device (dtype "keep" = as stored)
+            if mesh is not None:
+                from .sharding import param_shardings
+
+                mesh = _as_mesh(mesh)
+            params, cfg = restore_params(path, dtype=dtype, shardings=None if mesh is None else
+                                         (lambda c: param_shardings(c, mesh)))
+            if mesh is None:
+                params = jax.tree.map(jnp.asarray, params)
+            return cls(cfg, params, _generation_config(path), path, mesh)
+        if mesh is not None:
+            from .distribute import load_hf_sharded
+
+            mesh = _as_mesh(mesh)
+            params, cfg = load_hf_sharded(path, mesh, dtype=dtype, uncertainty_init=uncertainty_init, seed=seed)
+            return cls(cfg, params, _generation_config(path), path, mesh)
         params, cfg = load_hf(path, dtype=dtype, uncertainty_init=uncertainty_init, seed=seed)
         params = jax.tree.map(jnp.asarray, params)
         return cls(cfg, params, _generation_config(path), path)
 
     @classmethod
     def from_config(cls, config: ModelConfig | str, seed: int = 0, dtype="float32",
-                    uncertainty_init: str = "normal"):
+                    uncertainty_init: str = "normal", mesh=None):
         """A randomly initialised model from a config object, a YAML file or a checkpoint directory."""
         cfg = load_config(config) if isinstance(config, (str, os.PathLike)) else config
         dt = resolve_dtype(dtype) or np.dtype(np.float32)
+        if mesh is not None:
+            from .distribute import init_sharded
+
+            mesh = _as_mesh(mesh)
+            params = init_sharded(cfg, mesh, jax.random.key(seed), jnp.dtype(dt), uncertainty_init)
+            return cls(cfg, params, mesh=mesh)
         params = init_params(cfg, jax.random.key(seed), jnp.dtype(dt), uncertainty_init=uncertainty_init)
         return cls(cfg, params)
 
@@ -65,6 +98,18 @@ class PrismaVL:
             return jax.default_matmul_precision("highest")
         return contextlib.nullcontext()
 
+    def _on_mesh(self):
+        """The model's mesh as the active one (so `sharding.constrain` applies); a no-op without a mesh."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _place(self, batch):
+        """A host `model.Batch` → device arrays laid out by the batch rules (unchanged without a mesh)."""
+        if self.mesh is None:
+            return batch
+        from .distribute import shard_batch
+
+        return shard_batch(batch, self.mesh)
+
     # ------------------------------------------------------------------------------------------ inference
     def prepare(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, codes_in=None):
         """Validate and index inputs on the host; returns a `model.Batch` of NumPy arrays."""
@@ -74,15 +119,36 @@ class PrismaVL:
         """Logits [B, S, V] (the params' dtype). `codes_in [B, S]`: −1 none, else a table row; None = the
         prompt rule of INTROSPECTION.md §4 (first real token none, neutral elsewhere)."""
         batch = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw, codes_in)
-        with self._precision():
-            return _forward(self.config, self.params, batch)
+        with self._precision(), self._on_mesh():
+            return _forward(self.config, self.params, self._place(batch))
 
     def uncertainty_codes(self, logits) -> np.ndarray:
         """INTROSPECTION.md §2 codes (uint16) of logits [..., V]."""
         logits = jnp.asarray(logits)
         if logits.shape[-1] != self.config.text.vocab_size:
             raise ValueError(f"logits last axis {logits.shape[-1]} != vocab size {self.config.text.vocab_size}")
-        return np.asarray(_codes(logits, self.config.n_bits))
+        with self._on_mesh():
+            return np.asarray(_codes(logits, self.config.n_bits))
+
+    def generate(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
+                 max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, eos_token_id=None, **kw):
+        """Jitted batch generation (generate.py): `.tokens [B, T]`, `.codes [B, T]` uint16, `.lengths [B]`
+        (+ `.entropies` with `return_entropies=True`). `eos_token_id` defaults to the checkpoint's."""
+        from .generate import generate
+
+        gc = self.generation_config
+        if eos_token_id is None:
+            eos_token_id = gc.get("eos_token_id")
+        kw.setdefault("pad_token_id", gc.get("pad_token_id"))
+        with self._precision(), self._on_mesh():
+            return generate(self.config, self.params, input_ids, attention_mask, pixel_values, image_grid_thw,
+                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, eos_token_id=eos_token_id, **kw)
+
+
+def _as_mesh(mesh) -> jax.sharding.Mesh:
+    return mesh if isinstance(mesh, jax.sharding.Mesh) else make_mesh(mesh)
 
 
 def _generation_config(path: str) -> dict:

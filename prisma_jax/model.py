@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .rope import mrope_cos_sin
-from .sharding import constrain
+from .sharding import constrain, take_rows
 from .text import DeepStack, decoder
 from .uncertainty import inject
 from .vision import VisionGeometry, vision_tower
@@ -33,7 +33,7 @@ class Batch(NamedTuple):
 def embed(cfg: ModelConfig, params: dict, input_ids, codes, pixel_values=None, geometry=None, remat=False):
     """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in."""
     table = params["text"]["embed"]["embedding"]
-    x = jnp.take(table, input_ids, axis=0)
+    x = take_rows(table, input_ids, ("vocab", "hidden"))
     x = inject(x, params["uncertainty"]["embedding"], input_ids, codes,
                (cfg.image_token_id, cfg.video_token_id))
     if pixel_values is None:

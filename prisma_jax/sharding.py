@@ -1,25 +1,210 @@
-"""Sharding, declared once: mesh axes and the logical-axis rules that map every named array axis onto them.
+"""Sharding, declared once: the mesh, its presets, and the logical-axis rules for every array the model owns.
 
-The math names its axes (`constrain(x, ("batch", "seq", "embed"))`); this table decides where they live.
-With no mesh active (`jax.set_mesh`), `constrain` is the identity, so single-device code pays nothing.
+The math names its axes (`constrain(x, ("batch", "seq", "embed"))`); the tables here decide where they live:
+
+* `LOGICAL_RULES`  logical axis → mesh axis (or axes, or None = replicated), for activations, weights, the KV
+  cache and (by inheritance from the weights) the optimizer state;
+* `PARAM_AXES`     one row per leaf of the parameter tree (params.py) naming its logical axes;
+* `MeshSpec` / `PRESETS`  mesh shapes (`{"data": 2, "fsdp": -1, "tensor": 2}`, −1 = the rest) and the TPU
+  slices we plan for, with device count, HBM per chip and the topology name for ahead-of-time compiles.
+
+Why the big tables are laid out as they are (docs/sharding.md has the long form): the token embedding
+`[V, D]`, `lm_head` `[D, V]` and the uncertainty table `[L, D]` put their rows (vocabulary / levels) on
+`tensor` and the model dimension on `fsdp`. A lookup is then a masked local gather plus a sum over
+`tensor` of a `[B, S, D]` activation — never a gathered table — and the logits come out vocab-sharded, so
+the entropy of INTROSPECTION.md §2 (max, Σexp, Σexp·z over the vocabulary) is combined from per-shard
+partial reductions without forming `[B, V]` anywhere.
+
+A dimension that a mesh axis does not divide stays replicated over that axis (`spec_for`), so odd batch
+sizes and tiny test models run on any mesh. With no mesh active (`jax.set_mesh`), `constrain` is the
+identity, so single-device code pays nothing. This module places nothing on devices (see `distribute.py`).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Mapping
+
 import jax
-from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
 LOGICAL_RULES: dict[str, object] = {
-    "batch": ("data", "fsdp"),
+    # activations
+    "batch": ("data", "fsdp"),   # examples: pure data parallelism × FSDP
     "seq": None,
-    "embed": None,
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "vocab": "tensor",
+    "embed": None,               # activations' model dim (the batch is already split over data × fsdp)
+    "heads": "tensor",           # query heads (activations and q/o projection weights)
+    "kv_heads": "tensor",        # key/value heads (activations, k/v weights, KV cache)
+    "mlp": "tensor",             # MLP width (activations and weights)
+    "vocab": "tensor",           # vocabulary rows of the embedding / columns of lm_head / logits
+    "cache_seq": None,           # KV-cache slots
+    # weights only
+    "layers": None,              # stacked layer axis, run by lax.scan: never sharded
+    "hidden": "fsdp",            # weights' model dim: ZeRO-3 style, gathered layer by layer in the scan
+    "levels": "tensor",          # uncertainty-table rows (2**n_bits)
 }
+
+# Every leaf of params.param_shapes(cfg), by "/"-joined path: its logical axes (None = replicated).
+_NORM = ("layers", None)
+PARAM_AXES: dict[str, tuple] = {
+    "vision/patch_embed/kernel": (None, "hidden"),
+    "vision/patch_embed/bias": (None,),
+    "vision/pos_embed/embedding": (None, "hidden"),
+    **{f"vision/blocks/{n}/{k}": _NORM for n in ("norm1", "norm2") for k in ("scale", "bias")},
+    "vision/blocks/attn/qkv/kernel": ("layers", "hidden", "mlp"),
+    "vision/blocks/attn/qkv/bias": _NORM,
+    "vision/blocks/attn/proj/kernel": ("layers", "mlp", "hidden"),
+    "vision/blocks/attn/proj/bias": _NORM,
+    "vision/blocks/mlp/fc1/kernel": ("layers", "hidden", "mlp"),
+    "vision/blocks/mlp/fc1/bias": _NORM,
+    "vision/blocks/mlp/fc2/kernel": ("layers", "mlp", "hidden"),
+    "vision/blocks/mlp/fc2/bias": _NORM,
+    "vision/merger/norm/scale": (None,),
+    "vision/merger/norm/bias": (None,),
+    "vision/merger/fc1/kernel": ("hidden", "mlp"),
+    "vision/merger/fc1/bias": (None,),
+    "vision/merger/fc2/kernel": ("mlp", "hidden"),
+    "vision/merger/fc2/bias": (None,),
+    "vision/deepstack/norm/scale": _NORM,
+    "vision/deepstack/norm/bias": _NORM,
+    "vision/deepstack/fc1/kernel": ("layers", "hidden", "mlp"),
+    "vision/deepstack/fc1/bias": _NORM,
+    "vision/deepstack/fc2/kernel": ("layers", "mlp", "hidden"),
+    "vision/deepstack/fc2/bias": _NORM,
+    "text/embed/embedding": ("vocab", "hidden"),
+    "text/layers/input_norm/scale": _NORM,
+    "text/layers/post_attn_norm/scale": _NORM,
+    "text/layers/attn/q_proj/kernel": ("layers", "hidden", "heads"),
+    "text/layers/attn/k_proj/kernel": ("layers", "hidden", "kv_heads"),
+    "text/layers/attn/v_proj/kernel": ("layers", "hidden", "kv_heads"),
+    "text/layers/attn/o_proj/kernel": ("layers", "heads", "hidden"),
+    "text/layers/attn/q_norm/scale": _NORM,
+    "text/layers/attn/k_norm/scale": _NORM,
+    "text/layers/mlp/gate_proj/kernel": ("layers", "hidden", "mlp"),
+    "text/layers/mlp/up_proj/kernel": ("layers", "hidden", "mlp"),
+    "text/layers/mlp/down_proj/kernel": ("layers", "mlp", "hidden"),
+    "text/norm/scale": (None,),
+    "lm_head/kernel": ("hidden", "vocab"),
+    "uncertainty/embedding": ("levels", "hidden"),
+}
+
+# The KV cache {"k", "v"}: [layers, B, S_max, KV, hd] (text.decoder).
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", None)
+
+
+# ------------------------------------------------------------------------------------------------ meshes
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the three mesh axes; one of them may be −1 ("the rest of the devices")."""
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    @classmethod
+    def parse(cls, spec) -> "MeshSpec":
+        """A MeshSpec, a dict / YAML mapping `{data, fsdp, tensor}`, or a preset name."""
+        if isinstance(spec, MeshSpec):
+            return spec
+        if isinstance(spec, str):
+            return preset(spec).train
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"mesh must be a preset name or a mapping of {list(MESH_AXES)}, got {spec!r}")
+        unknown = sorted(set(spec) - set(MESH_AXES))
+        if unknown:
+            raise ValueError(f"mesh: unknown axis name(s) {unknown}; the axes are {list(MESH_AXES)}")
+        sizes = {k: spec.get(k, 1) for k in MESH_AXES}
+        if "fsdp" not in spec and -1 not in sizes.values():
+            sizes["fsdp"] = -1                     # unnamed devices go to fsdp
+        for k, v in sizes.items():
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not (v >= 1 or v == -1):
+                raise ValueError(f"mesh: axis {k!r} must be a positive integer or -1, got {v!r}")
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+        return cls(**{k: int(v) for k, v in sizes.items()})
+
+    def shape(self, n_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if n_devices % known:
+                raise ValueError(f"mesh {self.as_dict()}: {n_devices} devices are not a multiple of {known}")
+            sizes[sizes.index(-1)] = n_devices // known
+        if math.prod(sizes) != n_devices:
+            raise ValueError(f"mesh {self.as_dict()} needs {math.prod(sizes)} devices, {n_devices} available")
+        return tuple(sizes)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A slice we plan for. `train` / `generate` are the recommended meshes for each job."""
+    name: str
+    n_devices: int                  # JAX devices (chips; a v4/v5p megacore chip is one device)
+    hbm_gib: float | None           # HBM per device (None: host memory, simulated)
+    topology: str | None            # `get_topology_desc` name for ahead-of-time compiles (None: CPU)
+    chips_per_host: tuple[int, int, int] | None
+    train: MeshSpec
+    generate: MeshSpec
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("cpu-8", 8, None, None, None, MeshSpec(2, 2, 2), MeshSpec(2, 2, 2)),
+    Preset("v5e-8", 8, 16, "v5e:2x4", (2, 4, 1), MeshSpec(1, 8, 1), MeshSpec(1, 1, 8)),
+    Preset("v5e-16", 16, 16, "v5e:4x4", (2, 2, 1), MeshSpec(1, 16, 1), MeshSpec(2, 1, 8)),
+    Preset("v5p-8", 4, 95, "v5p:2x2x1", (2, 2, 1), MeshSpec(1, 4, 1), MeshSpec(1, 1, 4)),
+    Preset("v4-32", 16, 32, "v4:2x2x4", (2, 2, 1), MeshSpec(1, 16, 1), MeshSpec(2, 1, 8)),
+    Preset("v5p-64", 32, 95, "v5p:4x4x2", (2, 2, 1), MeshSpec(2, 16, 1), MeshSpec(4, 1, 8)),
+)}
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown mesh preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def make_mesh(spec=None, devices=None) -> Mesh:
+    """A `Mesh` with axes `MESH_AXES` (Auto axis types) over `devices` (default: all of `jax.devices()`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = MeshSpec.parse(spec if spec is not None else {}).shape(len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+# ------------------------------------------------------------------------------------------------ specs
+
+def _axis_size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def spec_for(shape, logical: tuple, mesh=None, rules: dict | None = None) -> P:
+    """The PartitionSpec of an array with these logical axes. With `mesh` (concrete or abstract), a mesh axis
+    that does not divide its dimension, or that an earlier dimension already uses, is dropped."""
+    rules = LOGICAL_RULES if rules is None else rules
+    if len(logical) != len(shape):
+        raise ValueError(f"logical axes {logical} do not match shape {tuple(shape)}")
+    used: set = set()
+    out = []
+    for dim, name in zip(shape, logical):
+        target = None if name is None else rules[name]
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        keep = []
+        for a in axes:
+            if a in used:
+                continue
+            if mesh is not None and (a not in mesh.shape or dim % (_axis_size(mesh, keep) * mesh.shape[a])):
+                continue
+            keep.append(a)
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return P(*out)
 
 
 def logical_to_spec(logical: tuple, rules: dict | None = None) -> P:
@@ -28,7 +213,120 @@ def logical_to_spec(logical: tuple, rules: dict | None = None) -> P:
 
 
 def constrain(x: jax.Array, logical: tuple) -> jax.Array:
+    """Pin an activation's layout under the active mesh; the identity with none."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical))
+    return jax.lax.with_sharding_constraint(x, spec_for(x.shape, logical, mesh))
+
+
+def _axes_of(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def take_rows(table: jax.Array, ids: jax.Array, logical: tuple) -> jax.Array:
+    """`jnp.take(table, ids, axis=0)` for a row-sharded table `[R, D]` (logical axes e.g. ("vocab", "hidden")):
+    each device looks up the ids that fall in its rows (zeros elsewhere), a sum over the row axes combines
+    them, and an all-to-all over the column axes returns full-width rows to the batch shards. The table is
+    never gathered; only `[B, S, D]`-sized activations and the ids move. The identity of jnp.take with no mesh.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return jnp.take(table, ids, axis=0)
+    t_spec = spec_for(table.shape, logical, mesh)
+    i_spec = spec_for(ids.shape, ("batch",) + (None,) * (ids.ndim - 1), mesh)
+    rows, cols, batch = _axes_of(t_spec[0]), _axes_of(t_spec[1]), _axes_of(i_spec[0])
+    gather_ids = bool(cols) and batch[-len(cols):] == cols
+    if not gather_ids and set(cols) & set(batch):   # ids replicated over the column axes instead
+        kept = tuple(a for a in batch if a not in cols)
+        i_spec = P(kept or None, *i_spec[1:])
+    out_spec = P(i_spec[0], *([None] * ids.ndim))
+
+    def body(tab, idx):
+        if gather_ids:      # every column shard needs the ids of its whole fsdp group
+            idx = jax.lax.all_gather(idx, cols, axis=0, tiled=True)
+        n = tab.shape[0]
+        local = idx - (jax.lax.axis_index(rows) * n if rows else 0)
+        hit = (local >= 0) & (local < n)
+        out = jnp.where(hit[..., None], jnp.take(tab, jnp.clip(local, 0, n - 1), axis=0), 0).astype(tab.dtype)
+        if rows:
+            out = jax.lax.psum(out, rows)
+        if cols:
+            out = (jax.lax.all_to_all(out, cols, 0, out.ndim - 1, tiled=True) if gather_ids
+                   else jax.lax.all_gather(out, cols, axis=out.ndim - 1, tiled=True))
+        return out
+
+    return jax.shard_map(body, in_specs=(t_spec, i_spec), out_specs=out_spec, check_vma=False)(table, ids)
+
+
+def param_axes(cfg) -> dict:
+    """The parameter tree (params.py layout) with each leaf's logical axes."""
+    from .params import flatten, param_shapes, set_path
+
+    out: dict = {}
+    for path, shape in flatten(param_shapes(cfg)):
+        key = "/".join(path)
+        if key not in PARAM_AXES:
+            raise KeyError(f"no sharding rule for parameter {key}")
+        axes = PARAM_AXES[key]
+        if len(axes) != len(shape):
+            raise ValueError(f"sharding rule for {key} names {len(axes)} axes, the leaf has shape {shape}")
+        set_path(out, path, axes)
+    return out
+
+
+def param_specs(cfg, mesh) -> dict:
+    """PartitionSpec per parameter leaf (`mesh` None: the rules without divisibility checks)."""
+    from .params import flatten, get_path, param_shapes, set_path
+
+    axes = param_axes(cfg)
+    out: dict = {}
+    for path, shape in flatten(param_shapes(cfg)):
+        set_path(out, path, spec_for(shape, get_path(axes, path), mesh))
+    return out
+
+
+def param_shardings(cfg, mesh: Mesh) -> dict:
+    """NamedSharding per parameter leaf."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, mesh),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def abstract_sharded_params(cfg, mesh: Mesh, dtype) -> dict:
+    """ShapeDtypeStruct leaves carrying their shardings: the model on a mesh without a byte of weights."""
+    from .params import abstract_params
+
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_params(cfg, dtype), param_shardings(cfg, mesh))
+
+
+def cache_sharding(mesh: Mesh, shape) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(shape, CACHE_AXES, mesh))
+
+
+def batch_sharding(mesh: Mesh, shape, logical: tuple | None = None) -> NamedSharding:
+    """Inputs: the leading axis (batch) over data × fsdp, the rest replicated (or the given logical axes)."""
+    logical = logical or ("batch",) + (None,) * (len(shape) - 1)
+    return NamedSharding(mesh, spec_for(shape, logical, mesh))
+
+
+def opt_state_shardings(opt_state, params_shardings: dict, mesh: Mesh):
+    """Optimizer state inherits each parameter's sharding: a state leaf whose path ends in a parameter's path
+    with that parameter's shape (Adam's mu/nu, whatever wraps them) gets the parameter's sharding; anything
+    else (step counts, schedule state) is replicated. `opt_state` may be abstract (`jax.eval_shape`)."""
+    by_path = {tuple(getattr(k, "key", None) for k in path): sh
+               for path, sh in jax.tree_util.tree_flatten_with_path(params_shardings)[0]}
+    replicated = NamedSharding(mesh, P())
+
+    def pick(path, leaf):
+        keys = []
+        for k in reversed(path):
+            if not isinstance(k, jax.tree_util.DictKey):
+                break
+            keys.insert(0, k.key)
+        sh = by_path.get(tuple(keys))
+        if sh is not None and len(sh.spec) == len(getattr(leaf, "shape", ())):
+            return sh
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)

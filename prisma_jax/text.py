@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .config import TextConfig
 from .layers import apply_rope, attention, dense, rms_norm
-from .sharding import constrain
+from .sharding import CACHE_AXES, constrain
 
 
 class DeepStack(NamedTuple):
@@ -63,8 +63,8 @@ def decoder(cfg: TextConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Arr
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy)
     layers = jnp.arange(cfg.num_hidden_layers)
-    kc = None if cache is None else cache["k"]
-    vc = None if cache is None else cache["v"]
+    kc = None if cache is None else constrain(cache["k"], CACHE_AXES)
+    vc = None if cache is None else constrain(cache["v"], CACHE_AXES)
     x, (kc, vc) = jax.lax.scan(body, x, (p["layers"], layers, kc, vc))
     x = rms_norm(p["norm"], x, cfg.rms_norm_eps)
-    return x, (None if cache is None else {"k": kc, "v": vc})
+    return x, (None if cache is None else {"k": constrain(kc, CACHE_AXES), "v": constrain(vc, CACHE_AXES)})

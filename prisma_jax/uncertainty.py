@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .sharding import take_rows
+
 NONE = -1  # "no injection"
 
 
@@ -53,7 +55,7 @@ def inject(embeds: jax.Array, table: jax.Array, input_ids: jax.Array, codes: jax
     on = codes >= 0
     for tok in placeholder_ids:
         on &= input_ids != tok
-    u = jnp.take(table, jnp.maximum(codes, 0).astype(jnp.int32), axis=0).astype(embeds.dtype)
+    u = take_rows(table, jnp.maximum(codes, 0).astype(jnp.int32), ("levels", "hidden")).astype(embeds.dtype)
     return jnp.where(on[..., None], embeds + u, embeds)
 
 
