@@ -83,9 +83,10 @@ def init_state(cfg: Config, params: dict | None = None) -> TrainState:
     """Fresh state: float32 params (random from train.seed unless given), optimizer state, step 0."""
     key = jax.random.PRNGKey(cfg.train.seed)
     if params is None:
-        params = init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32)
+        params = jax.jit(lambda k: init_params(cfg.model, jax.random.fold_in(k, 1), jnp.float32))(key)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg, params).init(params), key)
+    opt_state = jax.jit(make_optimizer(cfg, params).init)(params)
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, key)
 
 
 # ---------------------------------------------------------------------------------------------- forward + loss

@@ -1,0 +1,159 @@
+"""Training throughput: prisma-jax's train step on configs/bench_58m.yaml vs transformers + torch.optim.AdamW.
+
+    .venv/bin/python benchmarks/train.py [--config configs/bench_58m.yaml] [--steps 8] [--warmup 2] [--skip-torch]
+
+Both sides: the same dimensions (Qwen3 text decoder, 8 × 512, V = 32,000, untied), the same batch
+(B × S random tokens, every position supervised), float32, AdamW with global-norm clipping. The JAX side is
+`train.step.make_train_step` under `jax.jit` (state donated), fed by the grain synthetic source; its
+ahead-of-time memory comes from `compiled.memory_analysis()`. MFU = model FLOPs/s over the measured
+float32 matmul peak of this machine (the best of a JAX and a torch 2048² matmul loop, measured in the same
+run), with model FLOPs = 6·N_matmul·tokens + 12·L·S·H·hd·tokens (attention scores and values, as computed).
+Prints one Markdown table row per side and a JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def matmul_peak(n=2048, reps=10) -> float:
+    import jax
+    import jax.numpy as jnp
+    import torch
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            f(a).block_until_ready()
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t))
+    x = torch.ones(n, n)
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            x @ x
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t))
+    return best
+
+
+def model_flops_per_step(cfg) -> float:
+    t, b, s = cfg.model.text, cfg.train.batch_size, cfg.train.seq_len
+    d, hd = t.hidden_size, t.head_dim
+    per_layer = d * hd * (2 * t.num_attention_heads + 2 * t.num_key_value_heads) + 3 * d * t.intermediate_size
+    n_mm = t.num_hidden_layers * per_layer + d * t.vocab_size
+    attn = 12 * t.num_hidden_layers * s * t.num_attention_heads * hd
+    fwd_passes = cfg.train.introspection_passes - 1      # stop-gradient passes: forward only (2·N per token)
+    return b * s * (6 * n_mm + attn + fwd_passes * (2 * n_mm + attn / 3))
+
+
+def bench_jax(cfg, steps, warmup):
+    import jax
+
+    from train import data, step
+    ds, _ = data.build(cfg, "/tmp/prisma_bench_train")
+    it = iter(ds)
+    st = step.init_state(cfg)
+    batch = next(it)
+    fn = jax.jit(step.make_train_step(cfg, st.params), donate_argnums=0)
+    t = time.perf_counter()
+    compiled = fn.lower(st, batch).compile()
+    compile_s = time.perf_counter() - t
+    mem = compiled.memory_analysis()
+    for _ in range(warmup):
+        st, m = compiled(st, next(it))
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        b = next(it)
+        t = time.perf_counter()
+        st, m = compiled(st, b)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["loss"]),
+            "temp_bytes": int(mem.temp_size_in_bytes), "arg_bytes": int(mem.argument_size_in_bytes),
+            "out_bytes": int(mem.output_size_in_bytes)}
+
+
+def bench_torch(cfg, steps, warmup):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.set_num_threads(os.cpu_count() or 1)
+    t = cfg.model.text
+    hc = Qwen3Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                     num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+                     num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, tie_word_embeddings=False,
+                     max_position_embeddings=t.max_position_embeddings, rope_theta=t.rope_theta)
+    hc._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(hc).train()
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    g = torch.Generator().manual_seed(0)
+
+    def one():
+        ids = torch.randint(0, t.vocab_size, (cfg.train.batch_size, cfg.train.seq_len), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm or 1e9)
+        opt.step()
+        return float(loss)
+
+    for _ in range(warmup):
+        one()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = one()
+        times.append(time.perf_counter() - t0)
+    n = sum(p.numel() for p in model.parameters())
+    return {"step_s": float(np.median(times)), "loss": loss, "params": n}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/bench_58m.yaml")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    from train.config import load_train_config
+    cfg, _ = load_train_config(a.config, a.overrides)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    flops = model_flops_per_step(cfg)
+    peak = matmul_peak()
+    res = {"peak_gflops": peak / 1e9, "model_gflop_per_step": flops / 1e9, "tokens_per_step": tokens}
+    res["jax"] = bench_jax(cfg, a.steps, a.warmup)
+    if not a.skip_torch:
+        res["torch"] = bench_torch(cfg, a.steps, a.warmup)
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {flops / 1e9:.1f} model GFLOP per step of {tokens} tokens")
+    print("| side | step (s) | tokens/s | MFU | AOT memory |")
+    print("| --- | --- | --- | --- | --- |")
+    for side in ("jax", "torch"):
+        if side not in res:
+            continue
+        r = res[side]
+        tps = tokens / r["step_s"]
+        r["tokens_per_sec"], r["mfu"] = tps, flops / r["step_s"] / peak
+        memtxt = (f"temp {r['temp_bytes'] / 2**20:.0f} MiB + args {r['arg_bytes'] / 2**20:.0f} MiB"
+                  if side == "jax" else "—")
+        name = "prisma-jax (jit, optax AdamW)" if side == "jax" else "transformers + torch.optim.AdamW"
+        print(f"| {name} | {r['step_s']:.2f} | {tps:.0f} | {100 * r['mfu']:.0f} % | {memtxt} |")
+    if "torch" in res:
+        print(f"speed-up: {res['torch']['step_s'] / res['jax']['step_s']:.2f}x")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
