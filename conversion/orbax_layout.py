@@ -55,14 +55,20 @@ def zarr_spec(directory: str, path: tuple[str, ...], shape=None, dtype=None, chu
     return spec
 
 
+_CONTEXT = None
+
+
 def open_array(directory: str, path, shape=None, dtype=None, chunks=None):
     """A tensorstore handle on one leaf: created (with shape/dtype/chunks) or opened for reading."""
+    global _CONTEXT
     import tensorstore as ts
+    if _CONTEXT is None:   # one context for all arrays; no fsync per chunk (the final rename publishes DST)
+        _CONTEXT = ts.Context({"file_io_sync": False})
     spec = zarr_spec(directory, path, shape, dtype, chunks)
     try:
         if shape is None:
-            return ts.open(spec, open=True, read=True).result()
-        return ts.open(spec, create=True, write=True).result()
+            return ts.open(spec, open=True, read=True, context=_CONTEXT).result()
+        return ts.open(spec, create=True, write=True, context=_CONTEXT).result()
     except ValueError as e:
         raise CheckpointError(f"{directory}: cannot open array {param_name(path)}: {str(e).splitlines()[0]}") \
             from None

@@ -1,0 +1,163 @@
+"""`prisma convert` refuses bad input: non-zero exit, one line on stderr naming the problem, DST untouched
+(absent, or the previous checkpoint byte for byte) and no temporary directory left behind."""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from hf_tiny import build_model, save_checkpoint, tiny_hf_config
+from prisma_jax.cli import main as cli
+from prisma_jax.safetensors_io import Checkpoint, write_file
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A single-file fp32 source, a 7-shard source, and the Orbax conversion of the first."""
+    root = tmp_path_factory.mktemp("bad")
+    model = build_model(tiny_hf_config(), seed=4)
+    save_checkpoint(model, str(root / "single"))
+    model.save_pretrained(root / "sharded", max_shard_size="100KB")
+    assert cli(["convert", "hf-to-orbax", str(root / "single"), str(root / "orbax")]) == 0
+    return root
+
+
+def _snapshot(path):
+    if not os.path.lexists(path):
+        return None
+    if os.path.isfile(path):
+        return hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return {os.path.relpath(os.path.join(d, f), path): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, fs in os.walk(path) for f in fs}
+
+
+def _refused(capsys, argv, *needles):
+    """Run the CLI expecting a refusal; DST must be exactly as before. Returns the message."""
+    dst = argv[3]
+    before = _snapshot(dst)
+    parent = os.path.dirname(os.path.abspath(dst))
+    siblings = set(os.listdir(parent)) if os.path.isdir(parent) else set()
+    capsys.readouterr()
+    rc = cli(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert err.startswith("prisma convert: error:") and "\n" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    assert _snapshot(dst) == before
+    if os.path.isdir(parent):
+        assert set(os.listdir(parent)) == siblings   # no temporary sibling left behind
+    return err
+
+
+def _copy(good, name, tmp_path, what="single"):
+    shutil.copytree(good / what, tmp_path / name)
+    return tmp_path / name
+
+
+def test_missing_shard(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path, "sharded")
+    shard = sorted(set(json.load(open(src / "model.safetensors.index.json"))["weight_map"].values()))[1]
+    os.remove(src / shard)
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")], "missing", shard)
+
+
+def test_truncated_file(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path)
+    f = src / "model.safetensors"
+    os.truncate(f, os.path.getsize(f) // 2)
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")], "truncated")
+
+
+def test_corrupt_header(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path)
+    with open(src / "model.safetensors", "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00\xff garbage \xfe" * 4)
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")], "corrupt")
+
+
+def test_shapes_that_contradict_config(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path)
+    cfg = json.load(open(src / "config.json"))
+    cfg["text_config"]["intermediate_size"] = 80
+    json.dump(cfg, open(src / "config.json", "w"))
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")],
+             "model.language_model.layers.0.mlp.gate_proj.weight has shape [96, 64]", "config.json implies [80, 64]")
+
+
+def _rewrite(src, drop=(), add=None):
+    with Checkpoint(str(src)) as ck:
+        tensors = [(k, np.array(ck.get(k))) for k in ck.keys() if k not in drop]
+    tensors += list((add or {}).items())
+    write_file(str(src / "model.safetensors"), tensors, metadata={"format": "pt"})
+
+
+def test_missing_and_unexpected_keys_are_named(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path)
+    _rewrite(src, drop=("model.language_model.layers.1.self_attn.k_proj.weight",),
+             add={"model.extra_head.weight": np.zeros((2, 2), np.float32)})
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")],
+             "missing tensors: model.language_model.layers.1.self_attn.k_proj.weight",
+             "unexpected tensors: model.extra_head.weight")
+
+
+def test_pickle_only_checkpoint_is_refused_unopened(good, tmp_path, capsys):
+    src = tmp_path / "pickled"
+    src.mkdir()
+    shutil.copy(good / "single" / "config.json", src / "config.json")
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04 not opened: unpickling this would be unsafe")
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")], "pytorch_model.bin",
+             "safetensors only", "never unpickles")
+
+
+def test_existing_destination_without_overwrite(good, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("precious")
+    _refused(capsys, ["convert", "hf-to-orbax", str(good / "single"), str(dst)], "already exists", "--overwrite")
+    _refused(capsys, ["convert", "orbax-to-hf", str(good / "orbax"), str(dst)], "already exists")
+
+
+def test_overwrite_keeps_the_old_destination_when_the_conversion_fails(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path)
+    os.truncate(src / "model.safetensors", os.path.getsize(src / "model.safetensors") - 100)
+    dst = tmp_path / "previous"
+    shutil.copytree(good / "orbax", dst)
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(dst), "--overwrite"], "truncated")
+    # a failure half-way through writing (a corrupted array found while exporting) leaves DST as it was too
+    orb = tmp_path / "orb"
+    shutil.copytree(good / "orbax", orb)
+    chunk = orb / "text.layers.mlp.down_proj.kernel" / "2.0.0"
+    chunk.write_bytes(chunk.read_bytes()[::-1])
+    _refused(capsys, ["convert", "orbax-to-hf", str(orb), str(dst), "--overwrite"], "checksum")
+
+
+def test_unwritable_destination(good, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    _refused(capsys, ["convert", "hf-to-orbax", str(good / "single"), str(blocker / "out")], "not a directory")
+    _refused(capsys, ["convert", "orbax-to-hf", str(good / "orbax"), str(blocker / "sub" / "out")], "not a directory")
+
+
+def test_destination_inside_source(good, tmp_path, capsys):
+    src = _copy(good, "s", tmp_path)
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(src / "orbax")], "must not be")
+
+
+def test_export_of_a_corrupted_orbax_array_names_the_tensor(good, tmp_path, capsys):
+    orb = tmp_path / "orb"
+    shutil.copytree(good / "orbax", orb)
+    chunk = orb / "text.layers.mlp.up_proj.kernel" / "1.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    _refused(capsys, ["convert", "orbax-to-hf", str(orb), str(tmp_path / "out")],
+             "model.language_model.layers.1.mlp.up_proj.weight", "checksum")
+
+
+def test_export_of_a_directory_that_is_not_a_conversion(good, tmp_path, capsys):
+    _refused(capsys, ["convert", "orbax-to-hf", str(good / "single"), str(tmp_path / "out")],
+             "not a checkpoint written by `prisma convert hf-to-orbax`")
