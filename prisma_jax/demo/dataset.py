@@ -1,0 +1,212 @@
+"""The demo's procedural visual QA task: scenes of coloured shapes on a 2×2 grid, rendered with PIL, and
+questions whose answers are computed from the scene description (correct by construction).
+
+A scene is a list of objects `{"shape", "color", "row", "col"}` (one per grid cell at most). Questions ask
+for a colour, a shape, a count, an absolute position or a relative position. Each question has a `kind`:
+
+* `answerable`   — the scene determines one answer;
+* `unanswerable` — the question names an object that is absent: the answer is "unknown";
+* `ambiguous`    — several objects fit (e.g. two circles of different colours): every fitting answer is
+  right, and the recorded label is one of them drawn at random — in training as in the held-out set, so a
+  calibrated model says it with confidence 1/k and is right with probability 1/k.
+
+Everything is a function of the seed: the same seed gives byte-identical images and JSONL. The 64×64 images
+are 2×2 cells of 32 px, which with 16-px patches and 2×2 merging is one vision token per cell.
+Not here: tokenization (prisma_jax.processing), training, generation, metrics.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+GRID = 2
+CELL = 32
+IMAGE_SIZE = GRID * CELL
+BACKGROUND = (235, 235, 235)
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 40)}
+SHAPES = ("circle", "square", "triangle")
+PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles"}
+ROWS = ("top", "bottom")
+COLS = ("left", "right")
+UNKNOWN = "unknown"
+KINDS = ("answerable", "unanswerable", "ambiguous")
+QUESTION_TYPES = ("color", "shape", "count_shape", "count_color", "where", "left_of", "above")
+
+# Every word the task can produce (questions and answers), in a fixed order: the tokenizer built from it
+# (prisma_jax.processing.build_tokenizer adds the special tokens and chat roles) never changes.
+VOCABULARY = (
+    "what", "color", "shape", "is", "the", "object", "objects", "how", "many", "are", "there", "where", "left", "of",
+    "above", "?",
+    *COLORS, *SHAPES, *PLURAL.values(), *ROWS, "right", "yes", "no", UNKNOWN,
+    *[str(n) for n in range(GRID * GRID + 1)],
+)
+
+
+# ------------------------------------------------------------------------------------------------ scenes
+
+
+def random_scene(rng: np.random.Generator) -> list[dict]:
+    """1 to GRID² objects in distinct cells, shape and colour uniform."""
+    n = int(rng.integers(1, GRID * GRID + 1))
+    cells = rng.permutation(GRID * GRID)[:n]
+    colors = list(COLORS)
+    return [{"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": colors[int(rng.integers(len(colors)))],
+             "row": int(c) // GRID, "col": int(c) % GRID} for c in sorted(cells)]
+
+
+def render(scene: list[dict], rng: np.random.Generator):
+    """A 64×64 RGB PIL image: each object drawn inside its cell with a jittered size and centre. The cell's
+    centre pixel always lies inside the object (tests check the image against the scene this way)."""
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
+    draw = ImageDraw.Draw(img)
+    for obj in scene:
+        r = int(rng.integers(9, 13))                       # half-size
+        cx = obj["col"] * CELL + CELL // 2 + int(rng.integers(-2, 3))
+        cy = obj["row"] * CELL + CELL // 2 + int(rng.integers(-2, 3))
+        fill = COLORS[obj["color"]]
+        if obj["shape"] == "circle":
+            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+        elif obj["shape"] == "square":
+            s = r - 1
+            draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill)
+        else:
+            draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    return img
+
+
+def position_words(obj: dict) -> str:
+    return f"{ROWS[obj['row']]} {COLS[obj['col']]}"
+
+
+# ---------------------------------------------------------------------------------------------- questions
+
+
+def question_text(q: dict) -> str:
+    t = q["type"]
+    if t == "color":
+        return f"what color is the {q['shape']} ?"
+    if t == "shape":
+        return f"what shape is the {q['color']} object ?"
+    if t == "count_shape":
+        return f"how many {PLURAL[q['shape']]} are there ?"
+    if t == "count_color":
+        return f"how many {q['color']} objects are there ?"
+    if t == "where":
+        return f"where is the {q['color']} {q['shape']} ?"
+    if t == "left_of":
+        return f"is the {q['shape']} left of the {q['other']} ?"
+    if t == "above":
+        return f"is the {q['shape']} above the {q['other']} ?"
+    raise ValueError(f"unknown question type {t!r}")
+
+
+def answers(scene: list[dict], q: dict) -> tuple[str, list[str]]:
+    """(kind, sorted list of right answers) of question `q` about `scene`."""
+    t = q["type"]
+    if t in ("count_shape", "count_color"):
+        key = "shape" if t == "count_shape" else "color"
+        return "answerable", [str(sum(o[key] == q[key] for o in scene))]
+    if t in ("color", "shape", "where"):
+        fits = [o for o in scene if all(o[k] == q[k] for k in ("shape", "color") if k in q)]
+        if t == "where":
+            values = {position_words(o) for o in fits}
+        else:
+            values = {o["color" if t == "color" else "shape"] for o in fits}
+        if not values:
+            return "unanswerable", [UNKNOWN]
+        return ("answerable" if len(values) == 1 else "ambiguous"), sorted(values)
+    if t in ("left_of", "above"):
+        a = [o for o in scene if o["shape"] == q["shape"]]
+        b = [o for o in scene if o["shape"] == q["other"]]
+        if not a or not b:
+            return "unanswerable", [UNKNOWN]
+        axis = "col" if t == "left_of" else "row"
+        values = {"yes" if oa[axis] < ob[axis] else "no" for oa in a for ob in b}
+        return ("answerable" if len(values) == 1 else "ambiguous"), sorted(values)
+    raise ValueError(f"unknown question type {t!r}")
+
+
+def _candidates(t: str) -> list[dict]:
+    if t in ("color", "count_shape"):
+        return [{"type": t, "shape": s} for s in SHAPES]
+    if t in ("shape", "count_color"):
+        return [{"type": t, "color": c} for c in COLORS]
+    if t == "where":
+        return [{"type": t, "color": c, "shape": s} for c in COLORS for s in SHAPES]
+    return [{"type": t, "shape": s, "other": o} for s in SHAPES for o in SHAPES if s != o]
+
+
+def sample_question(scene: list[dict], rng: np.random.Generator, kind_weights=(0.7, 0.15, 0.15)) -> dict:
+    """A question type uniformly, then a kind among those the type allows for this scene (by `kind_weights`,
+    renormalised), then a question of that kind uniformly; the label is one right answer drawn at random."""
+    t = QUESTION_TYPES[int(rng.integers(len(QUESTION_TYPES)))]
+    by_kind: dict[str, list] = {}
+    for q in _candidates(t):
+        kind, right = answers(scene, q)
+        by_kind.setdefault(kind, []).append((q, right))
+    kinds = [k for k in KINDS if k in by_kind]
+    w = np.array([kind_weights[KINDS.index(k)] for k in kinds], float)
+    kind = kinds[int(rng.choice(len(kinds), p=w / w.sum()))]
+    q, right = by_kind[kind][int(rng.integers(len(by_kind[kind])))]
+    label = right[int(rng.integers(len(right)))]
+    return {**q, "kind": kind, "answers": right, "label": label, "question": question_text(q)}
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def conversation(image_path: str, question: str, answer: str | None = None) -> list[dict]:
+    """Chat messages in the transformers / `prisma train` format; without `answer`, the prompt only."""
+    msgs = [{"role": "user", "content": [{"type": "image", "image": image_path},
+                                          {"type": "text", "text": question}]}]
+    if answer is not None:
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    return msgs
+
+
+def make_split(directory: str, name: str, n_images: int, questions_per_image: int, seed: int,
+               kind_weights=(0.7, 0.15, 0.15)) -> list[dict]:
+    """Render `n_images` scenes to `directory/images/` and return one record per question: `messages`
+    (image paths relative to `directory`, as `prisma train` resolves them against the JSONL's folder), plus
+    `id`, `image`, `scene`, `type`, `kind`, `answers`, `label`, `question`."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(directory, "images"), exist_ok=True)
+    records = []
+    for i in range(n_images):
+        scene = random_scene(rng)
+        path = f"images/{name}_{i:05d}.png"
+        render(scene, rng).save(os.path.join(directory, path), optimize=False)
+        for j in range(questions_per_image):
+            q = sample_question(scene, rng, kind_weights)
+            records.append({"id": f"{name}_{i:05d}_{j}", "image": path, "scene": scene, **q,
+                            "messages": conversation(path, q["question"], q["label"])})
+    return records
+
+
+def write_jsonl(path: str, records: list[dict], keys=None) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r if keys is None else {k: r[k] for k in keys}, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_dataset(directory: str, n_train_images: int = 3000, n_heldout_images: int = 200,
+                  questions_per_image: int = 2, seed: int = 0) -> dict:
+    """`directory/train.jsonl` (conversations only: what `prisma train` reads), `directory/heldout.jsonl`
+    (full records with scenes, kinds and labels) and `directory/images/`. Train and held-out scenes come
+    from different seeds. Returns the paths and counts."""
+    os.makedirs(directory, exist_ok=True)
+    train = make_split(directory, "train", n_train_images, questions_per_image, seed)
+    held = make_split(directory, "heldout", n_heldout_images, questions_per_image, seed + 1_000_003)
+    paths = {"train": os.path.join(directory, "train.jsonl"), "heldout": os.path.join(directory, "heldout.jsonl")}
+    write_jsonl(paths["train"], train, keys=("messages",))
+    write_jsonl(paths["heldout"], held)
+    counts = {k: sum(r["kind"] == k for r in held) for k in KINDS}
+    return {**paths, "n_train": len(train), "n_heldout": len(held), "heldout_kinds": counts}
