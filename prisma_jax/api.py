@@ -28,7 +28,7 @@ from . import model as M
 from .config import ModelConfig, load_config
 from .inputs import prepare
 from .loading import load_hf, resolve_dtype
-from .params import init_params
+from .params import init_params_numpy
 from .sharding import make_mesh
 from .uncertainty import codes_from_logits
 
@@ -85,7 +85,7 @@ class PrismaVL:
             mesh = _as_mesh(mesh)
             params = init_sharded(cfg, mesh, jax.random.key(seed), jnp.dtype(dt), uncertainty_init)
             return cls(cfg, params, mesh=mesh)
-        params = init_params(cfg, jax.random.key(seed), jnp.dtype(dt), uncertainty_init=uncertainty_init)
+        params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, seed, dt, uncertainty_init=uncertainty_init))
         return cls(cfg, params)
 
     @property

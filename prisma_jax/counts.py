@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig, load_config
-from .params import init_params
+from .params import abstract_params
 
 GROUPS = ("vision", "text", "lm_head", "uncertainty")
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    shapes = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    # abstract evaluation of building every leaf: shapes only, no bytes
+    shapes = jax.eval_shape(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_params(cfg)))
     counts = {g: int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes.get(g, {})))) for g in GROUPS}
     counts["total"] = sum(counts.values())
     return counts

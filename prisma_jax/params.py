@@ -20,7 +20,6 @@ the converter and the exporter alike.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Iterator
 
 import jax
@@ -116,28 +115,44 @@ def set_path(tree: dict, path: Path, value) -> None:
     tree[path[-1]] = value
 
 
+def _leaf_init(path: Path, uncertainty_init: str) -> str:
+    if path[-1] == "scale":
+        return "ones"
+    if path[-1] == "bias" or (path[0] == "uncertainty" and uncertainty_init == "zeros"):
+        return "zeros"
+    return "normal"
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02,
                 uncertainty_init: str = "normal") -> dict:
-    """Random parameters: normal(0, std) matrices, ones for norm scales, zeros for biases.
-
-    `uncertainty_init`: "normal" (a fresh table, INTROSPECTION.md §1) or "zeros" (reproduces Qwen3-VL).
-    """
-    return _init_jit(cfg, jnp.dtype(dtype), std, uncertainty_init, key)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _init_jit(cfg: ModelConfig, dtype, std: float, uncertainty_init: str, key: jax.Array) -> dict:
-    # one compiled program for the whole tree (eager per-leaf init would compile dozens of tiny programs)
+    """Random parameters (traceable: jit it, e.g. with `out_shardings`): normal(0, std) matrices, ones for norm
+    scales, zeros for biases. `uncertainty_init`: "normal" (a fresh table, INTROSPECTION.md §1) or "zeros"
+    (reproduces Qwen3-VL)."""
     shapes = list(flatten(param_shapes(cfg)))
     keys = jax.random.split(key, len(shapes))
     out: dict = {}
     for (path, shape), k in zip(shapes, keys):
-        if path[-1] == "scale":
-            x = jnp.ones(shape, dtype)
-        elif path[-1] == "bias" or (path[0] == "uncertainty" and uncertainty_init == "zeros"):
-            x = jnp.zeros(shape, dtype)
-        else:
+        kind = _leaf_init(path, uncertainty_init)
+        if kind == "normal":
             x = (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        else:
+            x = (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+        set_path(out, path, x)
+    return out
+
+
+def init_params_numpy(cfg: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.02,
+                      uncertainty_init: str = "normal") -> dict:
+    """The same distribution drawn on the host with NumPy: no XLA compile (threefry programs for dozens of
+    leaves take tens of seconds to compile on CPU), for eager single-host construction."""
+    rng = np.random.default_rng(seed)
+    out: dict = {}
+    for path, shape in flatten(param_shapes(cfg)):
+        kind = _leaf_init(path, uncertainty_init)
+        if kind == "normal":
+            x = (np.float32(std) * rng.standard_normal(shape, np.float32)).astype(dtype)
+        else:
+            x = (np.ones if kind == "ones" else np.zeros)(shape, dtype)
         set_path(out, path, x)
     return out
 
