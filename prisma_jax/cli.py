@@ -14,6 +14,7 @@ COMMANDS = [
     "train.cli",
     "prisma_jax.plan",
     "prisma_jax.demo.run",
+    "prisma_jax.generate_cli",
 ]
 
 

@@ -1,0 +1,240 @@
+"""Batch generation: a jitted prefill, then one jitted `lax.while_loop` decode that carries the uncertainty code.
+
+    prefill(params, batch)  → DecodeState          (vision tower, whole prompt, first token)
+    decode(params, state)   → DecodeState          (the cache is donated; the host is not involved per token)
+
+`DecodeState` holds everything the loop needs, the introspective mechanism included: the previous code is a
+uint16 per row, computed from the very logits the row's last token was drawn from (INTROSPECTION.md §2) and
+injected with that token at the next position (§3, §4's decode rule). The prompt gets §4's prompt rule.
+
+Shapes are bucketed so that few programs serve many requests: prompts are left-padded to a power of two
+(≥ `prompt_floor`) and the output buffers to a power of two ≥ max_new_tokens (≥ `new_floor`); max_new_tokens
+itself is data. The cache has prompt_bucket + new_bucket slots; prompt tokens sit in slots [0, P), the token
+generated at step t (0-based) enters at slot P + t.
+
+Host side (`generate`): validate everything (ValueError) before any compile, pad, index the rope positions,
+run the two programs, fetch the buffers once. Not here: sampling math (sampling.py), tokenization (processing.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from .config import ModelConfig
+from .inputs import prepare
+from .sampling import SamplingParams, UncertaintyTemperature, check_sampling, greedy, sample
+from .uncertainty import NONE, codes_from_entropy, entropy
+
+
+class DecodeState(NamedTuple):
+    cache: dict              # {"k", "v"}: [layers, B, P + T, KV, hd]
+    key_valid: jax.Array     # [B, P + T] bool: slots holding real tokens
+    token: jax.Array         # [B] int32: last token, the next step's input
+    code: jax.Array          # [B] uint16: code of the distribution `token` was drawn from = its incoming code
+    position: jax.Array      # [B] int32: M-RoPE position of `token` (text position + rope delta, all 3 axes)
+    step: jax.Array          # [] int32: tokens generated so far
+    rng: jax.Array           # PRNG key
+    done: jax.Array          # [B] bool: row has emitted an end token
+    lengths: jax.Array       # [B] int32: tokens generated per row (its end token included)
+    tokens: jax.Array        # [B, T] int32 output buffer, pad after a row's end
+    codes: jax.Array         # [B, T] uint16 codes of the distributions the tokens were drawn from
+    entropies: jax.Array     # [B, T] float32 their entropies in nats
+    logits: jax.Array | None = None   # [B, T, V] float32 the distributions themselves (debugging; Spec.keep_logits)
+
+
+class Spec(NamedTuple):
+    """Static choices: each distinct Spec (with the shapes) is one compiled program."""
+    greedy: bool = True
+    introspection: bool = True       # False: no injection and no code (the benchmark's "mechanism off")
+    new_bucket: int = 16             # output buffer length T
+    keep_logits: bool = False        # also record every step's logits [B, T, V] (tests, debugging)
+    temperature_fn: Any = UncertaintyTemperature()
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: np.ndarray               # [B, T] int32, pad after each row's end (T = longest row)
+    codes: np.ndarray                # [B, T] uint16, 0 after each row's end
+    lengths: np.ndarray              # [B] int32
+    entropies: np.ndarray | None = None   # [B, T] float32 nats, on request
+    logits: np.ndarray | None = None      # [B, T, V] float32, on request (return_logits=True)
+
+
+def bucket(n: int, floor: int) -> int:
+    """Smallest power of two ≥ max(n, floor)."""
+    return 1 << (max(int(n), int(floor)) - 1).bit_length()
+
+
+def enable_compilation_cache(directory: str) -> None:
+    """Persist compiled programs in `directory` across processes (JAX's persistent compilation cache)."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# ---------------------------------------------------------------------------------------------- device side
+
+def _choose(cfg: ModelConfig, spec: Spec, logits, prev_code, sp: SamplingParams, key):
+    """logits [B, V] → token [B] int32, its distribution's code [B] uint16 and entropy [B] float32."""
+    z = logits.astype(jnp.float32)
+    if spec.introspection:
+        h = entropy(z)
+        code = codes_from_entropy(h, cfg.text.vocab_size, cfg.n_bits)
+    else:
+        h = jnp.zeros(z.shape[:1], jnp.float32)
+        code = jnp.zeros(z.shape[:1], jnp.uint16)
+    if spec.greedy:
+        tok = greedy(z)
+    else:
+        tok = sample(z, sp, key, prev_code, cfg.n_levels, spec.temperature_fn)
+    return tok, code, h
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos, sp: SamplingParams,
+            eos, pad_id, rng) -> DecodeState:
+    """Whole prompt [B, P] (vision included) into a fresh cache of P + T slots; draws the first token."""
+    b, p = batch.input_ids.shape
+    t = spec.new_bucket
+    tc = cfg.text
+    dtype = params["text"]["embed"]["embedding"].dtype
+    shape = (tc.num_hidden_layers, b, p + t, tc.num_key_value_heads, tc.head_dim)
+    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    key_valid = jnp.concatenate([batch.attention_mask, jnp.zeros((b, t), bool)], axis=1)
+    h, cache = M.hidden(cfg, params, batch, cache, 0, key_valid)
+    logits = M.head(cfg, params, h[:, -1])                                        # [B, V]
+    last_in = batch.codes[:, -1]                                                  # incoming code of the last prompt token
+    prev = jnp.where(last_in >= 0, last_in, cfg.neutral_code).astype(jnp.uint16)
+    rng, key = jax.random.split(rng)
+    tok, code, ent = _choose(cfg, spec, logits, prev, sp, key)
+    done = jnp.isin(tok, eos)
+    put = lambda buf, x: buf.at[:, 0].set(x)                                      # noqa: E731
+    kept = None
+    if spec.keep_logits:
+        kept = jnp.zeros((b, t, logits.shape[-1]), jnp.float32).at[:, 0].set(logits.astype(jnp.float32))
+    return DecodeState(cache, key_valid, tok, code, next_pos.astype(jnp.int32), jnp.int32(1), rng, done,
+                       jnp.ones((b,), jnp.int32),
+                       put(jnp.full((b, t), pad_id, jnp.int32), tok), put(jnp.zeros((b, t), jnp.uint16), code),
+                       put(jnp.zeros((b, t), jnp.float32), ent), kept)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: SamplingParams, eos, pad_id,
+           max_new) -> DecodeState:
+    """Steps until every row is done or `max_new` tokens are out; one compiled `lax.while_loop`."""
+    b, t = state.tokens.shape
+    p = state.key_valid.shape[1] - t
+
+    def cond(s: DecodeState):
+        return (s.step < max_new) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        slot = p + s.step - 1                                                     # where `token` goes
+        key_valid = jax.lax.dynamic_update_slice(s.key_valid, jnp.ones((b, 1), bool), (0, slot))
+        codes_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((b,), NONE, jnp.int32)
+        step_in = M.Batch(s.token[:, None], jnp.ones((b, 1), bool), codes_in[:, None],
+                          jnp.broadcast_to(s.position[None, :, None], (3, b, 1)))
+        h, cache = M.hidden(cfg, params, step_in, s.cache, slot, key_valid)
+        logits = M.head(cfg, params, h[:, 0])
+        rng, key = jax.random.split(s.rng)
+        tok, code, ent = _choose(cfg, spec, logits, s.code, sp, key)
+        live = ~s.done
+        tok = jnp.where(live, tok, pad_id)
+        code = jnp.where(live, code, 0).astype(jnp.uint16)
+        def put(buf, x):
+            x = x[:, None].astype(buf.dtype)
+            return jax.lax.dynamic_update_slice(buf, x, (0, s.step) + (0,) * (buf.ndim - 2))
+        kept = None if s.logits is None else put(s.logits, logits.astype(jnp.float32))
+        return DecodeState(cache, key_valid, tok, code, s.position + 1, s.step + 1, rng,
+                           s.done | jnp.isin(tok, eos), s.lengths + live.astype(jnp.int32),
+                           put(s.tokens, tok), put(s.codes, code), put(s.entropies, jnp.where(live, ent, 0.0)),
+                           kept)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+
+def _eos_list(eos_token_id, vocab: int) -> list[int]:
+    if eos_token_id is None:
+        return []
+    ids = [eos_token_id] if np.ndim(eos_token_id) == 0 else list(np.asarray(eos_token_id).ravel())
+    out = []
+    for e in ids:
+        if int(e) != e or not 0 <= e < vocab:
+            raise ValueError(f"eos_token_id {e} is outside the vocabulary [0, {vocab})")
+        out.append(int(e))
+    return out
+
+
+def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pixel_values=None,
+             image_grid_thw=None, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
+             uncertainty_power: float = 0.0, temperature_fn=None, return_entropies: bool = False,
+             return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32, new_floor: int = 16) -> GenerateResult:
+    """Generate up to `max_new_tokens` per row from left-padded prompts; see the module docstring.
+
+    temperature 0 = greedy (top_k / top_p ignored). `eos_token_id`: int, list or None (no end token).
+    `introspection=False` turns the mechanism off (no injection, codes 0) for measuring its cost.
+    """
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens}")
+    max_new_tokens = int(max_new_tokens)
+    check_sampling(temperature, top_k, top_p, uncertainty_power)
+    vocab = cfg.text.vocab_size
+    eos = _eos_list(eos_token_id, vocab)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    if not 0 <= int(pad_token_id) < vocab:
+        raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {vocab})")
+
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+        attention_mask = None if attention_mask is None else np.asarray(attention_mask)[None]
+    batch = prepare(cfg, ids, attention_mask, pixel_values, image_grid_thw)      # validates everything
+    mask = np.asarray(batch.attention_mask, bool)
+    n_real = mask.sum(1)
+    if (n_real == 0).any():
+        raise ValueError(f"row {int(np.argmin(n_real))} of the prompt has no real tokens (attention_mask all 0)")
+    if not mask[:, -1].all():
+        raise ValueError("prompts must be left-padded: the last column of attention_mask must be 1 in every row")
+    longest = int(n_real.max())
+    if longest + max_new_tokens > cfg.text.max_position_embeddings:
+        raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's maximum "
+                         f"length {cfg.text.max_position_embeddings} (max_position_embeddings)")
+
+    # left-pad to the bucket; re-index (positions and the prompt rule do not change with left padding)
+    b, s = batch.input_ids.shape
+    extra = bucket(s, prompt_floor) - s
+    fill = pad_token_id if pad_token_id not in (cfg.image_token_id, cfg.video_token_id) else 0
+    ids_p = np.concatenate([np.full((b, extra), fill, np.int64), batch.input_ids], axis=1)
+    mask_p = np.concatenate([np.zeros((b, extra), bool), mask], axis=1)
+    batch = prepare(cfg, ids_p, mask_p, pixel_values, image_grid_thw)
+    if not introspection:
+        batch = batch._replace(codes=np.full_like(batch.codes, NONE))
+    pos = np.asarray(batch.positions)
+    next_pos = np.where(mask_p[None], pos, -1).max(axis=(0, 2)) + 1                # text position + rope delta
+
+    greedy_ = temperature == 0
+    fn = temperature_fn or UncertaintyTemperature()
+    spec = Spec(greedy=bool(greedy_), introspection=bool(introspection),
+                new_bucket=bucket(max_new_tokens, new_floor), keep_logits=bool(return_logits), temperature_fn=fn)
+    sp = SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p), np.float32(uncertainty_power))
+    n_eos = max(4, -(-len(eos) // 4) * 4)                  # padded with −1 to a multiple of 4: few shapes
+    eos_arr = np.asarray(eos + [-1] * (n_eos - len(eos)), np.int32)
+    pad = np.int32(pad_token_id)
+    state = prefill(cfg, spec, params, batch, next_pos.astype(np.int32), sp, eos_arr, pad, jax.random.key(seed))
+    state = decode(cfg, spec, params, state, sp, eos_arr, pad, np.int32(max_new_tokens))
+    tokens, codes, ents, lengths, logits = jax.device_get(
+        (state.tokens, state.codes, state.entropies, state.lengths, state.logits))
+    t = int(lengths.max())
+    return GenerateResult(np.asarray(tokens[:, :t], np.int32), np.asarray(codes[:, :t], np.uint16),
+                          np.asarray(lengths, np.int32), np.asarray(ents[:, :t]) if return_entropies else None,
+                          None if logits is None else np.asarray(logits[:, :t]))

@@ -1,0 +1,86 @@
+"""`prisma generate`: chat prompts (and images) in, answers and their uncertainty codes out.
+
+    prisma generate --model DIR --prompt "Describe this image." --image cat.png [--prompt ...] [--json]
+
+The tokenizer, chat template and image processor come from DIR (offline, processing.py); several `--prompt`s
+make one left-padded batch; each `--image` belongs to the `--prompt` before it (the first if none precedes).
+Everything is checked (files, images, sampling values, lengths) before anything is compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class _ImageAction(argparse.Action):
+    def __call__(self, parser, ns, value, option_string=None):
+        owner = max(len(getattr(ns, "prompt", None) or []) - 1, 0)
+        ns.image = (ns.image or []) + [(owner, value)]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate answers with per-token uncertainty codes",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (weights, tokenizer, preprocessor)")
+    p.add_argument("--prompt", action="append", required=True, help="a user message; repeat for a batch")
+    p.add_argument("--image", action=_ImageAction, default=[], help="an image file for the preceding --prompt")
+    p.add_argument("--system", default=None, help="a system message for every prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--uncertainty-power", type=float, default=0.0,
+                   help="temperature × (1 − previous code/(L−1))**power: sample less after uncertain steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="persist compiled programs here across runs")
+    p.add_argument("--json", action="store_true", help="print tokens, text, codes and entropies as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .generate import enable_compilation_cache
+    from .processing import Processor, load_image
+    from .sampling import check_sampling
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k, args.top_p, args.uncertainty_power)
+    proc = Processor.from_pretrained(args.model)
+    per_prompt: list[list] = [[] for _ in args.prompt]
+    for owner, path in args.image:
+        per_prompt[owner].append(load_image(path))          # unreadable files fail here, before any compile
+    convs = []
+    for text, images in zip(args.prompt, per_prompt):
+        content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": content}]
+        convs.append(msgs)
+    enc = proc(messages=convs)
+
+    from .api import PrismaVL
+    if args.compilation_cache:
+        enable_compilation_cache(args.compilation_cache)
+    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype)
+    eos = model.generation_config.get("eos_token_id", proc.ids["eos_token_id"])
+    pad = model.generation_config.get("pad_token_id", proc.pad_token_id)
+    res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), enc.get("image_grid_thw"),
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, eos_token_id=eos, pad_token_id=pad,
+                         uncertainty_power=args.uncertainty_power, return_entropies=True)
+    out = []
+    for i, prompt in enumerate(args.prompt):
+        n = int(res.lengths[i])
+        toks = res.tokens[i, :n].tolist()
+        out.append({"prompt": prompt, "text": proc.decode(toks), "tokens": toks,
+                    "codes": res.codes[i, :n].tolist(),
+                    "entropies": [round(float(x), 6) for x in res.entropies[i, :n]]})
+    if args.json:
+        json.dump(out if len(out) > 1 else out[0], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for o in out:
+            print(o["text"])
+    return 0
