@@ -2,7 +2,7 @@
 saves / restores of sharded arrays in which every host writes and reads only its own shards.
 
     initialize()                      # TPU pods: no arguments (JAX finds the slice); elsewhere flags or env
-    rows = host_rows(global_batch)    # the rows this host loads
+    rows = host_rows(mesh, global_batch)  # the rows this host loads
     arr = host_batch(local_rows, mesh)   # → one global Array laid out by the batch rules
     save(path, tree); tree = restore(path, abstract_tree_with_shardings)
 
@@ -38,7 +38,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return
     if num_processes == 1 and coordinator is None:
         return
-    if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":    # CPU-only processes talk through gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids)
@@ -50,13 +50,16 @@ def _on_cluster() -> bool:
                                           "OMPI_COMM_WORLD_SIZE")) or os.path.exists("/dev/accel0")
 
 
-def host_rows(global_batch: int) -> slice:
-    """The rows of a global batch this process loads (contiguous, equal parts, in process order)."""
-    n, i = jax.process_count(), jax.process_index()
-    if global_batch % n:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {n} processes")
-    per = global_batch // n
-    return slice(i * per, (i + 1) * per)
+def host_rows(mesh: Mesh, global_batch: int) -> slice:
+    """The rows of a global batch this process loads: those its devices hold under the batch rules
+    (a contiguous block when the mesh is laid out host by host, as `jax.make_mesh` does)."""
+    sh = jax.sharding.NamedSharding(mesh, spec_for((global_batch,), ("batch",), mesh))
+    idx = [i[0] for i in sh.addressable_devices_indices_map((global_batch,)).values()]
+    lo = min(i.start or 0 for i in idx)
+    hi = max(global_batch if i.stop is None else i.stop for i in idx)
+    if hi - lo != global_batch // jax.process_count():
+        raise ValueError(f"this process's rows of the batch are not one contiguous block ({lo}:{hi})")
+    return slice(lo, hi)
 
 
 def host_batch(local, mesh: Mesh, logical: tuple | None = None, batch_axis: int = 0) -> jax.Array:

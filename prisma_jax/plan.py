@@ -46,12 +46,15 @@ def plan_devices(p: Preset) -> list:
         return devs[:p.n_devices]
     from jax.experimental import topologies
 
+    # compiling needs no chip: let several planning processes load libtpu at once (no lockfile)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=p.topology, chip_config_name="default",
                                             chips_per_host_bounds=p.chips_per_host, num_slices=1)
     except Exception as e:   # libtpu missing or unusable: one clear line
-        raise ValueError(f"cannot describe TPU topology {p.topology} ({type(e).__name__}: {e}); "
-                         "install the TPU compiler with `pip install -e .[tpu]`") from None
+        hint = "; install the TPU compiler with `pip install -e .[tpu]`" if "libtpu" not in str(e) else ""
+        raise ValueError(f"cannot describe TPU topology {p.topology} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}){hint}") from None
     devs = list(topo.devices)
     if len(devs) != p.n_devices:
         raise ValueError(f"topology {p.topology} has {len(devs)} devices, preset {p.name} says {p.n_devices}")

@@ -1,0 +1,110 @@
+"""The sharding tables and the plan's arithmetic, in-process and single-device (the multi-device runs are in
+test_sharding_mesh.py / _multihost.py / _tpu.py, each in subprocesses)."""
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prisma_jax.cli import main
+from prisma_jax.config import load_config
+from prisma_jax.params import flatten, param_shapes
+from prisma_jax.plan import all_gathers, forbidden_gathers, matmul_params, train_flops
+from prisma_jax.sharding import (LOGICAL_RULES, PARAM_AXES, PRESETS, MeshSpec, param_axes, spec_for, take_rows)
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+CFG8 = load_config(os.path.join(ROOT, "configs", "prisma_vl_8b.yaml"))
+TINY = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
+
+
+class FakeMesh:
+    def __init__(self, **shape):
+        self.shape = shape
+
+
+def test_mesh_spec_parses_dicts_rest_and_presets():
+    assert MeshSpec.parse({"data": 2, "fsdp": 2, "tensor": 2}).shape(8) == (2, 2, 2)
+    assert MeshSpec.parse({"data": 2, "tensor": -1}).shape(8) == (2, 1, 4)
+    assert MeshSpec.parse({}).shape(16) == (1, 16, 1)                  # default: all devices on fsdp
+    assert MeshSpec.parse("cpu-8").shape(8) == (2, 2, 2)
+    for bad in ({"dat": 2}, {"data": 0}, {"data": -1, "fsdp": -1}, "v9-1024", 3):
+        with pytest.raises(ValueError):
+            MeshSpec.parse(bad)
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        MeshSpec.parse({"data": 2, "fsdp": 2, "tensor": 2}).shape(4)
+
+
+def test_presets_record_devices_hbm_and_topology():
+    want = {"cpu-8": (8, None, None), "v5e-8": (8, 16, "v5e:2x4"), "v5e-16": (16, 16, "v5e:4x4"),
+            "v5p-8": (4, 95, "v5p:2x2x1"), "v4-32": (16, 32, "v4:2x2x4"), "v5p-64": (32, 95, "v5p:4x4x2")}
+    assert set(PRESETS) == set(want)
+    for name, (n, hbm, topo) in want.items():
+        p = PRESETS[name]
+        assert (p.n_devices, p.hbm_gib, p.topology) == (n, hbm, topo)
+        if topo:   # chips in the topology name = devices (a v4/v5p chip is one megacore device)
+            assert math.prod(int(x) for x in topo.split(":")[1].split("x")) == n
+        assert math.prod(p.train.shape(n)) == math.prod(p.generate.shape(n)) == n
+        # generation meshes keep the vocabulary and KV heads on `tensor` and nothing on fsdp: no weight gathers
+        assert p.generate.shape(n)[1] == 1 or name == "cpu-8"
+        assert CFG8.text.num_key_value_heads % p.generate.shape(n)[2] == 0
+
+
+def test_every_parameter_has_one_rule():
+    for cfg in (CFG8, TINY, TINY.replace(tie_word_embeddings=True)):
+        leaves = {"/".join(p): s for p, s in flatten(param_shapes(cfg))}
+        assert set(leaves) <= set(PARAM_AXES)
+        axes = param_axes(cfg)
+        for path, shape in flatten(param_shapes(cfg)):
+            a = axes
+            for k in path:
+                a = a[k]
+            assert len(a) == len(shape)
+            if path[0] in ("text", "vision") and path[1] in ("layers", "blocks", "deepstack"):
+                assert a[0] == "layers" and LOGICAL_RULES["layers"] is None   # stacked axes stay whole
+
+
+def test_big_tables_are_split_rows_on_tensor_columns_on_fsdp():
+    mesh = FakeMesh(data=2, fsdp=2, tensor=2)
+    v, d, lv = CFG8.text.vocab_size, CFG8.text.hidden_size, CFG8.n_levels
+    assert tuple(spec_for((v, d), PARAM_AXES["text/embed/embedding"], mesh)) == ("tensor", "fsdp")
+    assert tuple(spec_for((d, v), PARAM_AXES["lm_head/kernel"], mesh)) == ("fsdp", "tensor")
+    assert tuple(spec_for((lv, d), PARAM_AXES["uncertainty/embedding"], mesh)) == ("tensor", "fsdp")
+    # a batch the batch axes do not divide stays replicated over the axis that fails
+    assert tuple(spec_for((6, 5), ("batch", None), mesh)) == ("data", None)
+    assert tuple(spec_for((3, 5), ("batch", None), mesh)) == (None, None)
+    assert tuple(spec_for((8, 5), ("batch", None), mesh)) == (("data", "fsdp"), None)
+
+
+def test_take_rows_without_mesh_is_take():
+    t = jnp.arange(40.0).reshape(10, 4)
+    ids = jnp.array([[0, 9], [3, 3]])
+    np.testing.assert_array_equal(np.asarray(take_rows(t, ids, ("vocab", "hidden"))), np.asarray(t)[np.asarray(ids)])
+
+
+def test_flops_count_the_text_matmuls():
+    # independent count: every text-layer kernel and lm_head from the param tree
+    shapes = dict(flatten(param_shapes(CFG8)))
+    n = sum(math.prod(s) for p, s in shapes.items()
+            if (p[:2] == ("text", "layers") and p[-1] == "kernel") or p[0] == "lm_head")
+    assert matmul_params(CFG8) == n
+    f = train_flops(CFG8, batch=2, seq=8, passes=2)
+    assert f["6N_tokens"] == 6 * n * 16
+    t = CFG8.text
+    assert f["attention"] == 3 * 4 * 2 * 64 * t.num_attention_heads * t.head_dim * t.num_hidden_layers
+    assert f["introspection"] == (f["6N_tokens"] + f["attention"]) // 3
+    assert f["total"] == f["6N_tokens"] + f["attention"] + f["introspection"]
+
+
+def test_all_gather_scanner_reads_compiled_hlo_lines():
+    hlo = ("  %all-gather.3 = f32[128,64]{1,0} all-gather(f32[64,64]{1,0} %p), dimensions={0}\n"
+           "  %ag = (bf16[4,128]{1,0}, u32[]) all-gather-start(bf16[4,64]{1,0} %x), dimensions={1}\n"
+           "  %add = f32[128,64]{1,0} add(%a, %b)\n")
+    assert all_gathers(hlo) == [("f32", (128, 64)), ("bf16", (4, 128)), ("u32", ())]
+    assert forbidden_gathers(hlo, TINY, 4) == [("f32", (128, 64)), ("bf16", (4, 128))]
+
+
+def test_plan_rejects_unknown_preset(capsys):
+    assert main(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--mesh", "v9-9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown mesh preset 'v9-9'" in err[0]
