@@ -12,8 +12,8 @@ where `c_prev` is the code carried in the loop — the code of the distribution 
 from (the neutral code N at the first step, whose incoming code is the prompt's). `uncertainty_power = 0`
 (the default) is plain temperature; larger powers cool sampling faster as the previous step gets more
 uncertain, down to greedy at h = 1. `UncertaintyTemperature` can be replaced by any hashable callable
-`(code uint16 [B], n_levels) → scale float32 [B]` passed as `temperature_fn` (it becomes part of the
-compiled program).
+`(code uint16 [B], n_levels, power float32 []) → scale float32 [B]` passed as `temperature_fn` (it becomes
+part of the compiled program).
 
 Not here: the entropy/code itself (uncertainty.py), stopping rules (generate.py).
 """
@@ -78,7 +78,8 @@ def sample(logits: jax.Array, params: SamplingParams, key: jax.Array, prev_code:
     zs = jnp.where(rank < k, zs, -jnp.inf)
     probs = jax.nn.softmax(zs, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs                          # mass strictly before each token
-    zs = jnp.where((before < params.top_p) | (rank == 0), zs, -jnp.inf)
+    nucleus = (before < params.top_p) | (rank == 0) | (params.top_p >= 1)   # top_p = 1 keeps everything
+    zs = jnp.where(nucleus, zs, -jnp.inf)
     pick = jax.random.categorical(key, zs, axis=-1)                      # index into the sorted order
     tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
     return jnp.where(cold, order[:, 0], tok).astype(jnp.int32)

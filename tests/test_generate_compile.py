@@ -20,6 +20,7 @@ def _ids(n, b=2, seed=0):
 
 def test_one_program_per_bucket_and_no_growth_with_max_new_tokens(model, monkeypatch):
     calls = {"prefill": 0, "decode": 0}
+    prefill, decode = G.prefill, G.decode       # the jitted programs (their compile caches are counted)
     for name in calls:
         fn = getattr(G, name)
 
@@ -29,11 +30,11 @@ def test_one_program_per_bucket_and_no_growth_with_max_new_tokens(model, monkeyp
         monkeypatch.setattr(G, name, counted)
 
     def run(n, new):
-        before = (G.prefill._cache_size(), G.decode._cache_size())
+        before = (prefill._cache_size(), decode._cache_size())
         calls.update(prefill=0, decode=0)
         r = model.generate(_ids(n), max_new_tokens=new, prompt_floor=8, new_floor=8)
         assert r.tokens.shape == (2, new)      # no eos: every row runs to max_new_tokens
-        after = (G.prefill._cache_size(), G.decode._cache_size())
+        after = (prefill._cache_size(), decode._cache_size())
         # one dispatch of each program per call, whatever the number of tokens
         assert calls == {"prefill": 1, "decode": 1}
         return after[0] - before[0], after[1] - before[1]
