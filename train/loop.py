@@ -82,12 +82,24 @@ def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator) -> Train
     if diff:
         raise ValueError(f"{mngr.directory} holds a checkpoint (step {latest}) of a different model ("
                          + "; ".join(diff[:4]) + "): use another --workdir")
-    target = jax.eval_shape(lambda: _as_dict(init_state(cfg)))
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
+                          jax.eval_shape(lambda: _as_dict(init_state(cfg))))
     got = mngr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                         data=ocp.args.JsonRestore()))
     iterator.set_state(got["data"])
     s = got["state"]
     return TrainState(s["step"], s["params"], s["opt_state"], s["rng"])
+
+
+_STEPS: dict = {}
+
+
+def compiled_step(cfg: Config, params):
+    """The jitted step for this config, one per process (a resumed run in the same process reuses it)."""
+    if cfg not in _STEPS:
+        _STEPS[cfg] = jax.jit(make_train_step(cfg, params), donate_argnums=0)
+    return _STEPS[cfg]
 
 
 def _trim_metrics(path: str, upto: int) -> None:
@@ -128,7 +140,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log):
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     _trim_metrics(metrics_path, start)
     meta = {"model": cfg.model.to_dict(), "config": cfg.to_dict()}
-    step_fn = jax.jit(make_train_step(cfg, state.params), donate_argnums=0)
+    step_fn = compiled_step(cfg, state.params)
     preempted = _Preempted()
     old = signal.signal(signal.SIGTERM, preempted)
     writer = SummaryWriter(os.path.join(workdir, "tb"))

@@ -1,6 +1,6 @@
 """The tiny SFT set of `configs/tiny_sft.yaml`, generated at start (deterministic, a few KB).
 
-48 conversations over a 40-word vocabulary: 32 ask about a 64×64 PNG (a coloured shape on a coloured
+48 conversations over a 40-word vocabulary (+ specials and roles): 32 ask about a 64×64 PNG (a coloured shape on a coloured
 background; the answer names both), 16 are text-only (counting, opposites). The word-level tokenizer and
 the image-processor config come from `prisma_jax.processing.build_tokenizer`, so the ids match
 `configs/tiny.yaml` (image 5, video 6, vision start 3, end 4). Written to a temporary sibling directory and
