@@ -109,7 +109,7 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     key_valid = jnp.concatenate([batch.attention_mask, jnp.zeros((b, t), bool)], axis=1)
     h, cache = M.hidden(cfg, params, batch, cache, 0, key_valid)
     logits = M.head(cfg, params, h[:, -1])                                        # [B, V]
-    last_in = batch.codes[:, -1]                                                  # incoming code of the last prompt token
+    last_in = batch.codes[:, -1]                                  # incoming code of the last prompt token
     prev = jnp.where(last_in >= 0, last_in, cfg.neutral_code).astype(jnp.uint16)
     rng, key = jax.random.split(rng)
     tok, code, ent = _choose(cfg, spec, logits, prev, sp, key)
@@ -177,7 +177,8 @@ def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pix
              image_grid_thw=None, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
              uncertainty_power: float = 0.0, temperature_fn=None, return_entropies: bool = False,
-             return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32, new_floor: int = 16) -> GenerateResult:
+             return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32,
+             new_floor: int = 16) -> GenerateResult:
     """Generate up to `max_new_tokens` per row from left-padded prompts; see the module docstring.
 
     temperature 0 = greedy (top_k / top_p ignored). `eos_token_id`: int, list or None (no end token).

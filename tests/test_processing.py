@@ -74,7 +74,7 @@ def test_batch_is_left_padded_and_images_split_per_row(proc_dir, tmp_path):
     texts = ["hello <|vision_start|><|image_pad|><|vision_end|>", "world",
              "<|vision_start|><|image_pad|><|vision_end|> this"]
     enc = p(text=texts, images=[str(path), Image.new("RGB", (64, 128))])
-    np.testing.assert_array_equal(enc["image_grid_thw"], [[1, 16, 16], [1, 24, 12]])  # 64²→256², w64×h128→h384×w192
+    np.testing.assert_array_equal(enc["image_grid_thw"], [[1, 16, 16], [1, 24, 12]])  # h384×w192
     n = (enc["input_ids"] == ids["image_token_id"]).sum(1)
     np.testing.assert_array_equal(n, [64, 0, 72])
     m = enc["attention_mask"]
