@@ -1,0 +1,196 @@
+"""The demo's outputs: `metrics.json`, `report.md` and its PNG plots (matplotlib, Agg backend).
+
+    reliability.png   reliability diagrams of both arms side by side (accuracy vs confidence per bin,
+                      bar width ∝ nothing, bin counts annotated), the diagonal = perfect calibration
+    traces.png        per-token uncertainty codes of a few held-out answers, right and wrong, both arms
+    codes.png         distribution of the answer code for right vs wrong answers, both arms
+
+Not here: computing the metrics (metrics.py) or running anything (run.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+ARMS = (("feedback", "with feedback (table trained)"), ("no_feedback", "no feedback (table frozen at 0)"))
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_reliability(summaries: dict, path: str) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(ARMS), figsize=(4.2 * len(ARMS), 4.0), dpi=80, squeeze=False)
+    for ax, (arm, title) in zip(axes[0], ARMS):
+        s = summaries[arm]
+        rel = s["reliability"]
+        edges = rel["edges"]
+        width = edges[1] - edges[0]
+        centers = [e + width / 2 for e in edges[:-1]]
+        acc = [0.0 if a is None or math.isnan(a) else a for a in rel["accuracy"]]
+        ax.bar(centers, acc, width=width * 0.9, color="#4c72b0", edgecolor="black", label="accuracy")
+        conf = [c for c in rel["confidence"]]
+        xs = [x for x, c in zip(centers, conf) if c is not None and not math.isnan(c)]
+        ys = [c for c in conf if c is not None and not math.isnan(c)]
+        ax.plot(xs, ys, "o", color="#dd8452", label="mean confidence")
+        ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+        for x, a, n in zip(centers, acc, rel["count"]):
+            if n:
+                ax.text(x, min(a + 0.02, 0.97), str(n), ha="center", fontsize=7)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("confidence (probability of the answer)")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"{title}\nECE {s['ece']:.3f}", fontsize=9)
+        ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_traces(examples: dict, n_levels: int, path: str) -> None:
+    """`examples[arm]`: a list of {question, answer, label, correct, tokens: [str], codes: [int]}."""
+    plt = _plt()
+    rows = max(len(v) for v in examples.values()) or 1
+    fig, axes = plt.subplots(rows, len(ARMS), figsize=(4.6 * len(ARMS), 1.5 * rows + 0.6), dpi=80,
+                             squeeze=False)
+    for j, (arm, title) in enumerate(ARMS):
+        for i in range(rows):
+            ax = axes[i][j]
+            if i >= len(examples.get(arm, [])):
+                ax.axis("off")
+                continue
+            ex = examples[arm][i]
+            h = [c / (n_levels - 1) for c in ex["codes"]]
+            ax.bar(range(len(h)), h, width=0.6, color="#55a868" if ex["correct"] else "#c44e52")
+            ax.set_xlim(-0.6, max(len(h), 4) - 0.4)
+            ax.set_xticks(range(len(h)))
+            ax.set_xticklabels(ex["tokens"], fontsize=7)
+            ax.set_ylim(0, 1)
+            ax.set_ylabel("code/(L−1)", fontsize=7)
+            mark = "right" if ex["correct"] else f"wrong (label {ex['label']})"
+            ax.set_title(f"{ex['question']} → {ex['answer']}  [{mark}]", fontsize=7)
+            if i == 0:
+                ax.text(0.99, 0.9, title, transform=ax.transAxes, ha="right", fontsize=7, style="italic")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_code_hist(rows: dict, n_levels: int, path: str) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(ARMS), figsize=(4.2 * len(ARMS), 3.0), dpi=80, squeeze=False)
+    for ax, (arm, title) in zip(axes[0], ARMS):
+        right = [r["code"] / (n_levels - 1) for r in rows[arm] if r["correct"]]
+        wrong = [r["code"] / (n_levels - 1) for r in rows[arm] if not r["correct"]]
+        bins = [i / 20 for i in range(21)]
+        ax.hist(right, bins=bins, alpha=0.6, color="#55a868", label=f"right ({len(right)})", density=True)
+        ax.hist(wrong, bins=bins, alpha=0.6, color="#c44e52", label=f"wrong ({len(wrong)})", density=True)
+        ax.set_xlabel("mean answer code / (L−1)  (normalised entropy)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _fmt(x, digits=3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}f}"
+
+
+def table(summaries: dict) -> str:
+    """The Markdown table of both arms (also printed by `prisma demo` and shown in the README)."""
+    lines = ["| arm | accuracy (answerable) | 'unknown' when unanswerable | a right answer when ambiguous | "
+             "ECE | corr(code, correct) | AUROC(code → wrong) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, title in ARMS:
+        s = summaries[arm]
+        lines.append(f"| {title} | {_fmt(s['accuracy'])} | {_fmt(s['accuracy_unanswerable'])} | "
+                     f"{_fmt(s['accuracy_ambiguous'])} | {_fmt(s['ece'])} | {_fmt(s['code_correctness_corr'])} | "
+                     f"{_fmt(s['code_auroc'])} |")
+    return "\n".join(lines)
+
+
+def flat_metrics(summaries: dict, extra: dict) -> dict:
+    """metrics.json: the headline numbers flat (feedback arm unsuffixed, the other `_no_feedback`), then
+    each arm's full summary."""
+    out = {}
+    keys = ("accuracy", "ece", "code_correctness_corr", "code_auroc", "accuracy_unanswerable",
+            "accuracy_ambiguous", "accuracy_all", "mean_confidence")
+    for arm, suffix in (("feedback", ""), ("no_feedback", "_no_feedback")):
+        for k in keys:
+            out[k + suffix] = summaries[arm][k]
+    out.update(extra)
+    out["arms"] = summaries
+    return out
+
+
+def write_report(directory: str, summaries: dict, rows: dict, examples: dict, n_levels: int, extra: dict,
+                 samples_text: str = "") -> dict:
+    """metrics.json + report.md + PNGs into `directory`; returns the flat metrics."""
+    os.makedirs(directory, exist_ok=True)
+    metrics = flat_metrics(summaries, extra)
+    with open(os.path.join(directory, "metrics.json"), "w") as f:
+        json.dump(_json_safe(metrics), f, indent=2, sort_keys=False)
+    plot_reliability(summaries, os.path.join(directory, "reliability.png"))
+    plot_traces(examples, n_levels, os.path.join(directory, "traces.png"))
+    plot_code_hist(rows, n_levels, os.path.join(directory, "codes.png"))
+    s = summaries["feedback"]
+    md = [
+        "# Prisma-VL demo: calibration report",
+        "",
+        f"A tiny Prisma-VL trained from scratch on a synthetic visual QA task (coloured shapes on a 2×2 grid), "
+        f"evaluated on {s['n']} held-out questions with greedy decoding. Two arms with the same data, seed and "
+        f"steps: the uncertainty table trained (the Prisma mechanism) and frozen at zero (plain Qwen3-VL).",
+        "",
+        table(summaries),
+        "",
+        "- *accuracy (answerable)*: exact answer on questions the scene determines (the goal is ≥ 0.90).",
+        "- *confidence*: the probability the model gave its whole answer (product over its tokens); "
+        "*ECE*: expected calibration error over all held-out questions, 10 equal-width bins, "
+        "where an answer is right when it equals the question's label (for ambiguous questions the label is "
+        "one right answer drawn at random, so 1/k is the calibrated confidence).",
+        "- *corr(code, correct)*: Pearson correlation between the mean uncertainty code of the answer's tokens "
+        "and correctness (negative: high codes go with wrong answers); *AUROC*: how well the code alone "
+        "separates wrong answers from right ones (0.5 = not at all).",
+        "",
+        f"Wall time {extra.get('wall_time_s', float('nan')):.0f} s "
+        f"(training {extra.get('train_time_s', {}).get('feedback', float('nan')):.0f} s + "
+        f"{extra.get('train_time_s', {}).get('no_feedback', float('nan')):.0f} s, "
+        f"{extra.get('steps', '?')} steps each).",
+        "",
+        "## Reliability diagrams",
+        "",
+        "![reliability](reliability.png)",
+        "",
+        "## Per-token uncertainty traces (green: right answer, red: wrong)",
+        "",
+        "![traces](traces.png)",
+        "",
+        "## Answer codes, right vs wrong",
+        "",
+        "![codes](codes.png)",
+        "",
+    ]
+    if samples_text:
+        md += ["## Sample answers", "", "```", samples_text, "```", ""]
+    with open(os.path.join(directory, "report.md"), "w") as f:
+        f.write("\n".join(md))
+    return metrics
+
+
+def _json_safe(x):
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return x

@@ -1,0 +1,312 @@
+"""`prisma demo`: the whole system on a laptop CPU, end to end, with a calibration report.
+
+    dataset (dataset.py) → tokenizer (processing.build_tokenizer) → for each arm:
+        `prisma train` (configs/demo.yaml) → trained params → Hugging Face safetensors → `prisma convert
+        hf-to-orbax` → `PrismaVL.from_pretrained` → `generate` on the held-out questions (greedy, per-token
+        codes and probabilities)
+    → metrics (metrics.py) → metrics.json, report.md and plots (report.py)
+
+The two arms start from the same random weights and see the same batches: "feedback" trains the uncertainty
+table (the Prisma mechanism); "no_feedback" starts it at zero and freezes it (`train.freeze=[uncertainty]`),
+which is plain Qwen3-VL. Everything is written under a temporary sibling of `--out` and renamed at the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from . import dataset as D
+from . import metrics as MET
+from . import report as R
+
+ARMS = ("feedback", "no_feedback")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
+MAX_NEW_TOKENS = 4          # longest answer ("top left") + the end token, plus one
+GEN_BATCH = 100
+
+
+class Progress:
+    """Stage lines with elapsed wall time (the trainer draws its own bar under them)."""
+
+    def __init__(self, n_stages: int, out=sys.stdout):
+        self.n, self.i, self.t0, self.out = n_stages, 0, time.perf_counter(), out
+
+    def stage(self, text: str) -> None:
+        self.i += 1
+        print(f"[{self.i}/{self.n} {self.elapsed():6.1f}s] {text}", file=self.out, flush=True)
+
+    def note(self, text: str) -> None:
+        print(f"    {text}", file=self.out, flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+
+def build_tokenizer_dir(directory: str, model_cfg) -> dict:
+    """The demo tokenizer + image processor (64×64 images kept at 64×64); its ids must match the config."""
+    from prisma_jax.processing import build_tokenizer
+    n = D.IMAGE_SIZE * D.IMAGE_SIZE
+    ids = build_tokenizer(directory, list(D.VOCABULARY), min_pixels=n, max_pixels=n)
+    want = {"vocab_size": model_cfg.text.vocab_size, "image_token_id": model_cfg.image_token_id,
+            "video_token_id": model_cfg.video_token_id, "vision_start_token_id": model_cfg.vision_start_token_id,
+            "vision_end_token_id": model_cfg.vision_end_token_id}
+    bad = {k: (ids[k], v) for k, v in want.items() if ids[k] != v}
+    if bad:
+        raise ValueError("the demo config does not match the demo tokenizer: "
+                         + ", ".join(f"{k} tokenizer {a} vs config {b}" for k, (a, b) in bad.items()))
+    return ids
+
+
+def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_id: int, pad_id: int) -> dict:
+    """One random init, written twice as a Hugging Face checkpoint: with a normal(0, 0.02) table (feedback)
+    and with a zero table (no feedback). Both arms train from these (`train.init`)."""
+    from prisma_jax.params import init_params_numpy
+    params = init_params_numpy(model_cfg, seed, np.float32, uncertainty_init="normal")
+    out = {}
+    for arm in ARMS:
+        p = params
+        if arm == "no_feedback":
+            p = {**params, "uncertainty": {"embedding": np.zeros_like(params["uncertainty"]["embedding"])}}
+        out[arm] = os.path.join(directory, f"init_{arm}")
+        write_hf(p, model_cfg, out[arm], tok_dir, eos_id, pad_id)
+    return out
+
+
+def write_hf(params: dict, model_cfg, dst: str, tok_dir: str, eos_id: int, pad_id: int) -> None:
+    """A params pytree → a Hugging Face checkpoint directory (one safetensors file, config.json,
+    generation_config.json, tokenizer and processor files), through params.hf_names and safetensors_io."""
+    from prisma_jax.config import config_to_hf
+    from prisma_jax.params import get_path, hf_names
+    from prisma_jax.safetensors_io import write_file
+
+    os.makedirs(dst, exist_ok=True)
+
+    def tensors():
+        for n in hf_names(model_cfg):
+            x = np.asarray(get_path(params, n.path), np.float32)
+            yield n.hf, n.to_hf(x if n.index is None else x[n.index])
+    write_file(os.path.join(dst, "model.safetensors"), list(tensors()), metadata={"format": "pt"})
+    hf = config_to_hf(model_cfg)
+    hf.update({"eos_token_id": eos_id, "pad_token_id": pad_id, "dtype": "float32"})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(os.path.join(dst, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos_id, "pad_token_id": pad_id}, f, indent=2)
+    for name in os.listdir(tok_dir):
+        shutil.copy2(os.path.join(tok_dir, name), dst)
+
+
+def trained_params(workdir: str) -> dict:
+    """The params of the latest checkpoint `prisma train` left in `workdir` (NumPy)."""
+    import orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                 item_names=("state", "data", "meta"))
+    try:
+        step = mngr.latest_step()
+        if step is None:
+            raise ValueError(f"{workdir}: no checkpoint (did training run?)")
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    finally:
+        mngr.close()
+    import jax
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def cli(argv: list[str]) -> None:
+    """Run one `prisma` subcommand in this process (no second JAX start-up); non-zero exit → error."""
+    from prisma_jax.cli import main
+    rc = main(argv)
+    if rc:
+        raise ValueError(f"`prisma {' '.join(argv[:2])}` failed (exit code {rc})")
+
+
+# ------------------------------------------------------------------------------------------------ generation
+
+
+def answer_rows(model, processor, records: list[dict], data_dir: str, eos_id: int, progress=None) -> list[dict]:
+    """Greedy answers to the held-out questions with per-token codes and probabilities, one row each."""
+    rows = []
+    n_levels = model.config.n_levels
+    size = min(GEN_BATCH, len(records))
+    for start in range(0, len(records), size):
+        chunk = records[start:start + size]
+        pad = size - len(chunk)                      # one batch shape → one compiled program
+        convs = [D.conversation(os.path.join(data_dir, r["image"]), r["question"]) for r in chunk]
+        convs += [convs[-1]] * pad
+        enc = processor(messages=convs, add_generation_prompt=True)
+        res = model.generate(enc["input_ids"], enc["attention_mask"], enc["pixel_values"], enc["image_grid_thw"],
+                             max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos_id, return_logits=True)
+        logits = res.logits.astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        for i, r in enumerate(chunk):
+            n = int(res.lengths[i])
+            toks = [int(t) for t in res.tokens[i, :n]]
+            ended = n > 0 and toks[-1] == eos_id
+            answer_ids = toks[:-1] if ended else toks
+            answer = processor.decode(answer_ids).strip()
+            p_tok = [float(np.exp(logp[i, t, toks[t]])) for t in range(n)]
+            codes = [int(c) for c in res.codes[i, :n]]
+            rows.append({
+                "id": r["id"], "question": r["question"], "type": r["type"], "kind": r["kind"],
+                "label": r["label"], "answers": r["answers"], "answer": answer,
+                "correct": bool(ended and answer == r["label"]), "right": bool(ended and answer in r["answers"]),
+                "confidence": float(np.prod(p_tok)) if p_tok else 0.0,
+                "code": float(max(codes)) if codes else float(n_levels - 1),
+                "tokens": processor.tokenizer.convert_ids_to_tokens(toks), "token_codes": codes,
+                "token_probs": p_tok,
+            })
+        if progress:
+            progress.note(f"generated {min(start + size, len(records))}/{len(records)}")
+    return rows
+
+
+def pick_examples(rows_by_arm: dict, n_right: int = 3, n_wrong: int = 3) -> dict:
+    """The same questions for both arms: the first wrong answers of the feedback arm (else of the other),
+    then the first right ones."""
+    fb = rows_by_arm["feedback"]
+    wrong = [i for i, r in enumerate(fb) if not r["correct"]][:n_wrong]
+    if len(wrong) < n_wrong:
+        wrong += [i for i, r in enumerate(rows_by_arm["no_feedback"]) if not r["correct"] and i not in wrong]
+        wrong = wrong[:n_wrong]
+    right = [i for i, r in enumerate(fb) if r["correct"] and i not in wrong][:n_right]
+    chosen = sorted(wrong + right)
+
+    def ex(r):
+        return {"question": r["question"], "answer": r["answer"], "label": r["label"], "correct": r["correct"],
+                "tokens": [t.replace("<|im_end|>", "<end>") for t in r["tokens"]], "codes": r["token_codes"]}
+    return {arm: [ex(rows[i]) for i in chosen] for arm, rows in rows_by_arm.items()}
+
+
+def format_samples(rows: list[dict], n: int = 8) -> str:
+    lines = []
+    for r in rows[:n]:
+        toks = " ".join(f"{t.replace('<|im_end|>', '<end>')}[{c}]" for t, c in zip(r["tokens"], r["token_codes"]))
+        mark = "right" if r["correct"] else f"wrong, label {r['label']!r}"
+        lines.append(f"{r['question']:<40} → {toks:<34} p={r['confidence']:.2f}  ({r['kind']}, {mark})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+
+
+def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None = None,
+             train_images: int = 3000, heldout_images: int = 200, questions_per_image: int = 2, seed: int = 0,
+             progress_bar: bool = True, overrides: tuple[str, ...] = ()) -> dict:
+    """The whole demo; returns the flat metrics (also in `out/metrics.json`)."""
+    import jax
+
+    from prisma_jax import PrismaVL
+    from prisma_jax.processing import Processor
+    from train.config import load_train_config
+
+    config = os.path.abspath(config or DEFAULT_CONFIG)
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    cfg, _ = load_train_config(config, list(overrides))
+    steps = steps or cfg.train.steps
+    prog = Progress(3 + 4 * len(ARMS))
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
+    try:
+        data_dir, tok_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
+        prog.stage(f"dataset: {train_images} + {heldout_images} scenes × {questions_per_image} questions → {data_dir}")
+        info = D.build_dataset(data_dir, train_images, heldout_images, questions_per_image, seed)
+        prog.note(f"{info['n_train']} training conversations, {info['n_heldout']} held-out questions "
+                  f"{info['heldout_kinds']}")
+        prog.stage("tokenizer: word-level, Qwen chat template, image processor (prisma_jax.processing)")
+        ids = build_tokenizer_dir(tok_dir, cfg.model)
+        eos, pad = ids["eos_token_id"], ids["pad_token_id"]
+        inits = initial_checkpoints(cfg.model, seed, os.path.join(tmp, "checkpoints"), tok_dir, eos, pad)
+        processor = Processor.from_pretrained(tok_dir)
+        heldout = D.read_jsonl(info["heldout"])
+        rows, train_time = {}, {}
+        for arm in ARMS:
+            workdir = os.path.join(tmp, "runs", arm)
+            args = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps),
+                    f"data.path={info['train']}", f"data.processor={tok_dir}", f"train.init={inits[arm]}",
+                    f"train.steps={steps}", *overrides]
+            if arm == "no_feedback":
+                args.append("train.freeze=[uncertainty]")
+            if not progress_bar:
+                args.insert(1, "--no-progress")
+            prog.stage(f"train [{arm}]: prisma {' '.join(a if '=' not in a else a.split('=')[0] + '=…' for a in args)}")
+            t0 = time.perf_counter()
+            cli(args)
+            train_time[arm] = time.perf_counter() - t0
+            hf_dir = os.path.join(tmp, "checkpoints", f"{arm}_hf")
+            orbax_dir = os.path.join(tmp, "checkpoints", f"{arm}_orbax")
+            prog.stage(f"convert [{arm}]: trained params → {os.path.basename(hf_dir)} → prisma convert hf-to-orbax")
+            write_hf(trained_params(workdir), cfg.model, hf_dir, tok_dir, eos, pad)
+            cli(["convert", "hf-to-orbax", hf_dir, orbax_dir])
+            prog.stage(f"generate [{arm}]: {len(heldout)} held-out questions, greedy, batch {GEN_BATCH}")
+            model = PrismaVL.from_pretrained(orbax_dir)
+            rows[arm] = answer_rows(model, processor, heldout, data_dir, eos, prog)
+            print(format_samples(rows[arm]), flush=True)
+            del model
+            prog.stage(f"score [{arm}]")
+            s = MET.summarize(rows[arm])
+            prog.note(f"accuracy (answerable) {s['accuracy']:.3f}  ECE {s['ece']:.3f}  "
+                      f"corr(code, correct) {s['code_correctness_corr']:.3f}")
+        summaries = {arm: MET.summarize(rows[arm]) for arm in ARMS}
+        prog.stage("report: metrics.json, report.md, plots")
+        with open(os.path.join(tmp, "answers.jsonl"), "w") as f:
+            for arm in ARMS:
+                for r in rows[arm]:
+                    f.write(json.dumps({"arm": arm, **r}) + "\n")
+        extra = {"wall_time_s": prog.elapsed(), "train_time_s": train_time, "steps": steps,
+                 "n_train": info["n_train"], "n_heldout": info["n_heldout"], "heldout_kinds": info["heldout_kinds"],
+                 "config": os.path.relpath(config), "seed": seed}
+        metrics = R.write_report(tmp, summaries, rows, pick_examples(rows), cfg.model.n_levels, extra,
+                                 format_samples(rows["feedback"]))
+        # the finished directory replaces any earlier demo output in one rename
+        if os.path.exists(out):
+            old = tempfile.mkdtemp(prefix=os.path.basename(out) + ".old-", dir=parent)
+            os.replace(out, os.path.join(old, "x"))
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        tmp = None
+        print("\n" + R.table(summaries))
+        print(f"\nwrote {out}/metrics.json and {out}/report.md in {prog.elapsed():.0f} s")
+        return metrics
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="train a tiny Prisma-VL on a synthetic visual QA task and report "
+                              "its calibration, with and without the uncertainty feedback (≈ 10 min on a CPU)")
+    p.add_argument("--out", default="demo_out", help="output directory (replaced when the demo finishes)")
+    p.add_argument("--config", default=None, help="training YAML (default configs/demo.yaml)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the config's)")
+    p.add_argument("--train-images", type=int, default=3000)
+    p.add_argument("--heldout-images", type=int, default=200)
+    p.add_argument("--questions-per-image", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no training progress bar")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="training config overrides")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    for name in ("steps", "train_images", "heldout_images", "questions_per_image"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {v}")
+    with contextlib.ExitStack():
+        run_demo(args.out, args.config, args.steps, args.train_images, args.heldout_images,
+                 args.questions_per_image, args.seed, not args.no_progress, tuple(args.overrides))
+    return 0
