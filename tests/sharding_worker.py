@@ -1,0 +1,207 @@
+"""Multi-device scenarios for tests/test_sharding*.py, each run in its own process so that the pytest process
+stays single-device. The parent sets XLA_FLAGS (device count) before this imports JAX.
+
+    python sharding_worker.py mesh CKPT OUT           # one process, 8 CPU devices: sharded vs one device
+    python sharding_worker.py mh_train PORT PID OUT   # one of two processes × 4 devices: train step + save
+    python sharding_worker.py mh_restore PORT PID OUT # one of two fresh processes: restore + check
+    python sharding_worker.py tpu OUT                 # tiny-model TPU ahead-of-time compile (v5p:2x2x1)
+
+Results go to OUT (JSON + .npz); the tests assert on them against the single-device numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+BATCH, SEQ = 8, 16
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def tiny_train_cfg():
+    from prisma_jax.config import read_yaml
+    from train.config import config_from_raw
+
+    raw = read_yaml(os.path.join(ROOT, "configs", "tiny.yaml"))
+    raw["train"] = dict(steps=10, batch_size=BATCH, seq_len=SEQ, compute_dtype="float32", remat="none",
+                        introspection_passes=2)
+    raw["optimizer"] = dict(lr=1e-2, clip_norm=1.0, weight_decay=0.01)
+    return config_from_raw(raw)
+
+
+def train_batch_np(cfg, rows=slice(None)):
+    """A fixed text batch (left padding in row 1) as TrainBatch fields in NumPy, rows selected."""
+    from prisma_jax.inputs import prepare
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(7, cfg.text.vocab_size, (BATCH, SEQ))
+    mask = np.ones((BATCH, SEQ), bool)
+    mask[1, :3] = False
+    b = prepare(cfg, ids, mask)
+    tgt = np.full((BATCH, SEQ), -1, np.int64)
+    tgt[:, :-1] = np.where(mask[:, 1:], ids[:, 1:], -1)
+    tgt[:, : SEQ // 2] = -1                      # supervise the second half only
+    pos = np.asarray(b.positions)[:, rows]
+    return (np.asarray(b.input_ids)[rows][None], np.asarray(b.attention_mask)[rows][None],
+            np.asarray(b.codes)[rows][None], pos[None], tgt[rows].astype(np.int32)[None])
+
+
+def host_params(tcfg) -> dict:
+    """Initial float32 params drawn on the host (no threefry compile), identical in every process."""
+    from prisma_jax.params import init_params_numpy
+
+    return init_params_numpy(tcfg.model, seed=tcfg.train.seed)
+
+
+def sharded_state(tcfg, mesh):
+    """train/step.py's fresh state from `host_params`, every leaf placed shard by shard in its sharding."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from prisma_jax.distribute import put_global
+    from prisma_jax.sharding import opt_state_shardings, param_shardings
+    from train.step import TrainState, make_optimizer
+
+    key = jax.random.PRNGKey(tcfg.train.seed)
+    params = jax.tree.map(put_global, host_params(tcfg), param_shardings(tcfg.model, mesh))
+    opt = make_optimizer(tcfg, params)
+    sh = opt_state_shardings(jax.eval_shape(opt.init, params), param_shardings(tcfg.model, mesh), mesh)
+    opt_state = jax.jit(opt.init, out_shardings=sh)(params)
+    rep = NamedSharding(mesh, P())
+    return TrainState(put_global(np.zeros((), np.int32), rep), params, opt_state, put_global(np.asarray(key), rep))
+
+
+def flat(tree) -> dict:
+    import jax
+
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# ------------------------------------------------------------------------------------------------ scenarios
+
+def scenario_mesh(ckpt: str, out: str) -> None:
+    import jax
+
+    from prisma_jax.api import PrismaVL
+    from prisma_jax.distribute import put_global
+    from prisma_jax.plan import all_gathers, forbidden_gathers, lower_decode
+    from prisma_jax.sharding import batch_sharding
+    from train.step import TrainBatch, init_state, make_train_step
+
+    assert len(jax.devices()) == 8
+    res: dict = {}
+    one = PrismaVL.from_pretrained(ckpt)
+    sh = PrismaVL.from_pretrained(ckpt, mesh=MESH)
+    res["shards"] = {jax.tree_util.keystr(p): [list(x.shape), [list(s.data.shape) for s in x.addressable_shards],
+                                               len({s.device for s in x.addressable_shards})]
+                     for p, x in jax.tree_util.tree_flatten_with_path(sh.params)[0]}
+    ids = np.random.default_rng(1).integers(7, one.config.text.vocab_size, (4, 12))
+    mask = np.ones_like(ids)
+    mask[2, :4] = 0
+    l1, l8 = one.forward(ids, mask), sh.forward(ids, mask)
+    res["logits_sharding"] = str(l8.sharding.spec)
+    res["forward_max_diff"] = float(np.max(np.abs(np.asarray(l1) - np.asarray(l8))))
+    res["codes_equal"] = bool(np.array_equal(one.uncertainty_codes(l1), sh.uncertainty_codes(l8)))
+    if hasattr(PrismaVL, "generate"):
+        g1 = one.generate(ids[:, 4:], max_new_tokens=6)
+        g8 = sh.generate(ids[:, 4:], max_new_tokens=6)
+        res["generate_tokens_equal"] = bool(np.array_equal(g1.tokens, g8.tokens))
+        res["generate_codes_equal"] = bool(np.array_equal(g1.codes, g8.codes))
+
+    # compiled decode step on the CPU mesh: what does it all-gather?
+    hlo = lower_decode(sh.config, sh.mesh, batch=4, cache_len=16, dtype="float32").compile().as_text()
+    res["decode_gathers"] = [[d, list(s)] for d, s in all_gathers(hlo)]
+    res["decode_forbidden"] = [[d, list(s)] for d, s in forbidden_gathers(hlo, sh.config, 4)]
+
+    # one training step: one device vs the 2x2x2 mesh, same initial params and batch
+    tcfg = tiny_train_cfg()
+    step = jax.jit(make_train_step(tcfg))
+    tb = TrainBatch(*train_batch_np(tcfg.model))
+    s1, m1 = step(init_state(tcfg, host_params(tcfg)), tb)
+    mesh = sh.mesh
+    with jax.set_mesh(mesh):
+        lay = lambda x: (None, "batch", None) if x.ndim == 3 else (None, None, "batch", None)  # noqa: E731
+        tb8 = TrainBatch(*(put_global(x, batch_sharding(mesh, x.shape, lay(x))) for x in tb))
+        s8, m8 = step(sharded_state(tcfg, mesh), tb8)
+    res["train_loss_one"], res["train_loss_mesh"] = float(m1["loss"]), float(m8["loss"])
+    p1, p8 = flat(s1.params), flat(s8.params)
+    res["train_param_max_diff"] = max(float(np.max(np.abs(p1[k] - p8[k]))) for k in p1)
+    res["train_param_moved"] = max(float(np.max(np.abs(p1[k] - v))) for k, v in flat(host_params(tcfg)).items())
+    np.savez(out + ".npz", **p1)
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
+    import jax
+
+    from prisma_jax import multihost
+
+    multihost.initialize(f"localhost:{port}", 2, int(pid))
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    from prisma_jax.sharding import abstract_sharded_params, make_mesh
+    from train.step import TrainBatch, make_train_step
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+    tcfg = tiny_train_cfg()
+    mesh = make_mesh(MESH)
+    ckdir = os.path.join(os.path.dirname(out), "orbax_params")
+    res: dict = {"process": jax.process_index()}
+    if mode == "mh_train":
+        rows = multihost.host_rows(mesh, BATCH)
+        local = train_batch_np(tcfg.model, rows)
+        with jax.set_mesh(mesh):
+            tb = TrainBatch(*(multihost.host_batch(x, mesh, batch_axis=x.ndim - 2) for x in local))
+            state, metrics = jax.jit(make_train_step(tcfg))(sharded_state(tcfg, mesh), tb)
+        res["loss"] = float(np.asarray(metrics["loss"].addressable_data(0)))
+        params = state.params
+        multihost.save(ckdir, params)
+    else:
+        target = abstract_sharded_params(tcfg.model, mesh, jnp.float32)
+        params = multihost.restore(ckdir, target)
+        res["restored_specs_match"] = all(
+            a.sharding.spec == b.sharding.spec for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(target)))
+    full = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+        np.savez(out + ".npz", **flat(full))
+    with open(out, "w") as f:
+        json.dump(res, f)
+    jax.distributed.shutdown()
+
+
+def scenario_tpu(out: str) -> None:
+    from prisma_jax.config import load_config
+    from prisma_jax.plan import all_gathers, forbidden_gathers, lower_decode, memory, plan_devices
+    from prisma_jax.sharding import make_mesh, preset
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
+    p = preset("v5p-8")
+    devices = plan_devices(p)
+    mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2}, devices)
+    compiled = lower_decode(cfg, mesh, batch=4, cache_len=32).compile()
+    hlo = compiled.as_text()
+    m = memory(compiled)
+    res = {"platform": devices[0].platform, "n_devices": len(devices), "memory_total": m.total,
+           "arguments": m.arguments, "gathers": [[d, list(s)] for d, s in all_gathers(hlo)],
+           "forbidden": [[d, list(s)] for d, s in forbidden_gathers(hlo, cfg, 4)],
+           "hlo_has_tpu_layout": ":T(" in hlo}
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "mesh":
+        scenario_mesh(sys.argv[2], sys.argv[3])
+    elif mode in ("mh_train", "mh_restore"):
+        scenario_multihost(mode, *sys.argv[2:5])
+    elif mode == "tpu":
+        scenario_tpu(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown scenario {mode}")
