@@ -1,0 +1,179 @@
+"""The training loop end to end: straight vs interrupted-and-resumed runs (bit for bit), SIGTERM, the data
+pipeline on conversations with images, and every bad input of issue 6 (one clear error, nothing lost)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from prisma_jax.cli import main as cli_main
+from prisma_jax.config import ConfigError
+from train.config import config_from_raw, load_train_config
+from train.loop import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT = os.path.join(ROOT, "configs", "tiny_sft.yaml")
+
+
+def small(**over):
+    raw = yaml.safe_load(open(SFT))
+    raw["train"].update(steps=8, batch_size=4, seq_len=40)
+    raw["checkpoint"].update(every=2)
+    for k, v in over.items():
+        sec, key = k.split("__")
+        raw[sec][key] = v
+    return config_from_raw(raw)
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
+    cfg = small()
+    straight = str(tmp_path / "straight")
+    run(cfg, straight, progress=False, log=lambda *_: None)
+    resumed = str(tmp_path / "resumed")
+    run(cfg, resumed, stop_at=4, progress=False, log=lambda *_: None)
+    assert [m["step"] for m in losses(resumed)] == [1, 2, 3, 4]
+    run(cfg, resumed, progress=False, log=lambda *_: None)
+    a, b = losses(straight), losses(resumed)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 9))
+    for k in ("loss", "grad_norm", "lr", "code_mean", "code_low", "code_high", "tokens"):
+        assert [m[k] for m in a] == [m[k] for m in b], k
+    assert a[-1]["loss"] < a[0]["loss"]
+    for m in a:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "code_mean", "code_low", "code_high"} <= set(m)
+    assert sorted(d for d in os.listdir(os.path.join(straight, "checkpoints")) if d.isdigit()) == ["6", "8"]
+    assert any(f.startswith("events") for f in os.listdir(os.path.join(straight, "tb")))
+
+
+def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
+    wd = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "prisma_jax.cli", "train", "--config", SFT, "--workdir", wd, "--no-progress",
+           "train.steps=400", "train.batch_size=2", "train.seq_len=16", "train.grad_accum=1",
+           "data.source=synthetic", "data.max_images=0", "checkpoint.every=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    path = os.path.join(wd, "metrics.jsonl")
+    deadline = time.time() + 1200
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(path) and len(open(path).readlines()) >= 2:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    last = losses(wd)[-1]["step"]
+    assert 2 <= last < 400 and f"SIGTERM: saved step {last}" in out + err
+    assert [d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()] == [str(last)]
+    r = subprocess.run(cmd + ["--steps", str(last + 1)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming from step {last}" in r.stdout
+    assert [m["step"] for m in losses(wd)] == list(range(1, last + 2))
+
+
+# ------------------------------------------------------------------------------------------- bad inputs
+
+
+def write_jsonl(tmp_path, lines, image=True):
+    from PIL import Image
+    from prisma_jax.processing import build_tokenizer
+    from train.tiny_sft import WORDS
+    d = tmp_path / "data"
+    d.mkdir(exist_ok=True)
+    if image:
+        Image.new("RGB", (40, 30), (200, 10, 10)).save(d / "red.png")
+    proc = str(d / "proc")
+    build_tokenizer(proc, WORDS, min_pixels=64 * 64, max_pixels=128 * 128)
+    with open(d / "train.jsonl", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(d / "train.jsonl"), proc
+
+
+GOOD = json.dumps({"messages": [
+    {"role": "user", "content": [{"type": "image", "image": "red.png"}, {"type": "text", "text": "what is this ?"}]},
+    {"role": "assistant", "content": "a red square ."}]})
+SHORT = json.dumps({"messages": [{"role": "user", "content": "count to two"},
+                                 {"role": "assistant", "content": "one two"}]})
+LONG = json.dumps({"messages": [{"role": "user", "content": "count to six " * 6},
+                                {"role": "assistant", "content": "one two three four five six"}]})
+
+
+def jsonl_cfg(path, proc, **data):
+    raw = yaml.safe_load(open(SFT))
+    raw["train"].update(steps=2, batch_size=2, seq_len=24, grad_accum=1)
+    raw["data"] = {"source": "jsonl", "path": path, "processor": proc, "image_size": 64, "max_images": 1, **data}
+    return config_from_raw(raw)
+
+
+def test_jsonl_pipeline_targets_images_and_overlong_policy(tmp_path):
+    from prisma_jax.processing import Processor
+    from train.data import build, index_jsonl
+    path, proc = write_jsonl(tmp_path, [GOOD, LONG, SHORT])
+    processor = Processor.from_pretrained(proc)
+    recs, info = index_jsonl(jsonl_cfg(path, proc), path, processor)
+    assert (info.records, info.truncated) == (3, 1) and len(recs[1].ids) == 24
+    recs, info = index_jsonl(jsonl_cfg(path, proc, overlong="drop"), path, processor)
+    assert (info.records, info.dropped_overlong) == (2, 1)
+    ds, _ = build(jsonl_cfg(path, proc, overlong="drop", shuffle=False), str(tmp_path / "wd"))
+    b = next(iter(ds))
+    ids, tg = b.input_ids[0, 0], b.targets[0, 0]
+    tok = processor.tokenizer.convert_tokens_to_ids
+    # supervised: the assistant answer and its <|im_end|>, each target the next token
+    want = [tok(w) for w in "a red square .".split()] + [tok("<|im_end|>")]
+    assert list(tg[tg >= 0]) == want and list(ids[1:][tg[:-1] >= 0]) == want
+    assert b.pixel_values.shape == (1, 2 * 16, 1536) and np.abs(b.pixel_values[0, :16]).sum() > 0
+    assert not b.pixel_values[0, 16:].any()                        # the text-only row's slot is zeros
+    assert (ids == 5).sum() == 4
+
+
+def test_malformed_line_names_file_and_line_or_is_skipped(tmp_path):
+    from prisma_jax.processing import Processor
+    from train.data import index_jsonl
+    path, proc = write_jsonl(tmp_path, [GOOD, "{not json", GOOD])
+    processor = Processor.from_pretrained(proc)
+    with pytest.raises(ValueError, match=rf"{path}:2: malformed JSON"):
+        index_jsonl(jsonl_cfg(path, proc), path, processor)
+    recs, info = index_jsonl(jsonl_cfg(path, proc, on_malformed="skip"), path, processor)
+    assert (info.records, info.skipped_malformed) == (2, 1)
+
+
+def test_missing_image_is_a_clear_error(tmp_path):
+    from prisma_jax.processing import Processor
+    from train.data import index_jsonl
+    path, proc = write_jsonl(tmp_path, [GOOD, GOOD.replace("red.png", "gone.png")])
+    with pytest.raises(ValueError, match=r"train.jsonl:2: image not found: .*gone.png"):
+        index_jsonl(jsonl_cfg(path, proc), path, Processor.from_pretrained(proc))
+
+
+def test_unknown_config_keys_are_rejected_by_name(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"train.stepz"):
+        load_train_config(SFT, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match=r"optimizer.learning_rate"):
+        load_train_config(SFT, ["optimizer.learning_rate=3"])
+    with pytest.raises(ConfigError, match=r"train.steps: expected an integer"):
+        load_train_config(SFT, ["train.steps=many"])
+    assert cli_main(["train", "--config", SFT, "--workdir", str(tmp_path), "data.sauce=x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.sauce" in err[0]
+
+
+def test_workdir_of_a_different_model_is_refused_and_kept(tmp_path):
+    wd = str(tmp_path / "run")
+    cfg = small(train__steps=2, checkpoint__every=1, data__source="synthetic", data__max_images=0)
+    run(cfg, wd, progress=False, log=lambda *_: None)
+    before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
+    raw = yaml.safe_load(open(SFT))
+    raw["model"]["text"]["intermediate_size"] = 128
+    raw["train"].update(steps=4, batch_size=4, seq_len=40)
+    raw["data"].update(source="synthetic", max_images=0)
+    with pytest.raises(ValueError, match=r"different model.*intermediate_size"):
+        run(config_from_raw(raw), wd, progress=False, log=lambda *_: None)
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before
+    assert [m["step"] for m in losses(wd)] == [1, 2]

@@ -1,0 +1,152 @@
+"""The train step against independent references: a sequential teacher-forced loop over transformers (the
+introspection semantics), the one-big-batch gradient (accumulation), bit-unchanged frozen groups, and a loss
+that falls on a memorisation set."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from hf_tiny import IMAGE, VEND, VSTART, build_model, image_tokens, random_pixels, reference_logits, \
+    save_checkpoint, tiny_hf_config
+from prisma_jax.inputs import prepare
+from prisma_jax.loading import load_hf
+from train import step as S
+from train.config import config_from_raw
+from train.data import Collate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = yaml.safe_load(open(os.path.join(ROOT, "configs", "tiny.yaml")))["model"]
+
+
+def make_cfg(**train):
+    t = {"steps": 10, "batch_size": 8, "seq_len": 24, **train}
+    return config_from_raw({"model": TINY, "train": t, "optimizer": {"lr": 1e-2, "warmup_steps": 0},
+                            "data": {"source": "synthetic", "image_size": 64, "max_images": 1}})
+
+
+def samples(n=8, s=24, seed=0):
+    """Rows with a 64×64 image (4 tokens) in every other row and an assistant span to supervise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(n):
+        ids = list(rng.integers(10, 128, 3))
+        pixels = None
+        if r % 2 == 0:
+            ids += image_tokens((1, 4, 4))
+            pixels = rng.uniform(-1, 1, (16, 1536)).astype(np.float32)
+        ids += list(rng.integers(10, 128, 4 + r % 5))
+        n_ids = len(ids)
+        row = np.zeros(s, np.int32)
+        row[:n_ids] = ids
+        sup = np.zeros(s, bool)
+        sup[n_ids - 4 - r % 3:n_ids] = True
+        out.append({"ids": row, "mask": np.arange(s) < n_ids, "supervised": sup, "pixels": pixels})
+    return out
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    cfg1, cfg4 = make_cfg(grad_accum=1), make_cfg(grad_accum=4)
+    sm = samples()
+    b1, b4 = Collate(cfg1, 8)(sm), Collate(cfg4, 8)(sm)
+    assert b4.input_ids.shape == (4, 2, 24) and b1.input_ids.shape == (1, 8, 24)
+    s1, m1 = jax.jit(S.make_train_step(cfg1))(S.init_state(cfg1), b1)
+    s4, m4 = jax.jit(S.make_train_step(cfg4))(S.init_state(cfg4), b4)
+    assert float(m1["tokens"]) == float(m4["tokens"]) == sum(int(x["supervised"][1:].sum()) for x in sm)
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):   # updates are ~1e-2 per entry
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("freeze", [("vision", "text", "lm_head"), ("vision", "uncertainty")])
+def test_frozen_groups_do_not_move(freeze):
+    cfg = make_cfg(freeze=list(freeze), grad_accum=2)
+    batch = Collate(cfg, 8)(samples())
+    st0 = S.init_state(cfg)
+    before = jax.tree.map(np.array, st0.params)
+    fn = jax.jit(S.make_train_step(cfg))
+    st = st0
+    for _ in range(2):
+        st, m = fn(st, batch)
+    groups = {"vision": [before["vision"], st.params["vision"]], "text": [before["text"], st.params["text"]],
+              "lm_head": [before["lm_head"], st.params["lm_head"]],
+              "uncertainty": [before["uncertainty"], st.params["uncertainty"]]}
+    for g, (a, b) in groups.items():
+        same = all(np.array_equal(x, np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        assert same == (g in freeze), g
+    assert float(m["grad_norm"]) > 0
+
+
+def test_loss_falls_on_memorisation_set():
+    cfg = make_cfg(grad_accum=2, introspection_passes=2)
+    batch = Collate(cfg, 8)(samples())
+    fn = jax.jit(S.make_train_step(cfg))
+    st = S.init_state(cfg)
+    losses = []
+    for _ in range(10):
+        st, m = fn(st, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert 0 <= float(m["code_mean"]) <= 1 and 0 <= float(m["code_low"]) + float(m["code_high"]) <= 1
+
+
+# ----------------------------------------------------------------- the introspection semantics, sequentially
+
+
+def np_code(logits, n_bits):
+    """INTROSPECTION §2 in float64 NumPy."""
+    z = logits.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    e = np.exp(z - m)
+    s = e.sum(-1)
+    h = np.log(s) + m[..., 0] - (e * z).sum(-1) / s
+    return np.floor(np.clip(h / np.log(z.shape[-1]), 0, 1) * (2**n_bits - 1)).astype(np.int64)
+
+
+def test_training_logits_equal_sequential_teacher_forcing(tmp_path):
+    """With P ≥ longest supervised span + 1 the last pass equals feeding each position the code computed
+    (by transformers, step by step) from its predecessor's logits wherever that predecessor is supervised."""
+    hf = build_model(tiny_hf_config(), seed=1)
+    table = np.random.default_rng(2).normal(0, 0.5, (256, 64)).astype(np.float32)
+    params, mcfg = load_hf(save_checkpoint(hf, str(tmp_path / "ck"), table), dtype="float32")
+    rng = np.random.default_rng(3)
+    s = 20
+    ids = np.zeros((2, s), np.int64)
+    mask = np.zeros((2, s), np.int64)
+    row0 = [7, 11] + image_tokens((1, 4, 4)) + list(rng.integers(10, 128, 12))
+    row1 = list(rng.integers(10, 128, 15))
+    ids[0, :len(row0)], mask[0, :len(row0)] = row0, 1
+    ids[1, :len(row1)], mask[1, :len(row1)] = row1, 1
+    targets = np.full((2, s), -1, np.int64)
+    spans = [(9, 13), (15, 19), (3, 8), (10, 14)]          # two supervised spans per row, longest 5
+    for r, (a, b) in [(0, spans[0]), (0, spans[1]), (1, spans[2]), (1, spans[3])]:
+        targets[r, a:b] = ids[r, a + 1:b + 1]
+    assert not (ids == IMAGE)[targets >= 0].any() and VSTART in row0 and VEND in row0
+    pv, grid = random_pixels([(1, 4, 4)], seed=4), np.array([[1, 4, 4]])
+    batch = prepare(mcfg, ids, mask, pv, grid)
+
+    cfg = config_from_raw({"model": mcfg.to_dict(), "train": {"steps": 1, "batch_size": 2, "seq_len": s,
+                                                              "introspection_passes": 6},
+                           "data": {"max_images": 1}})
+    logits, codes = jax.jit(lambda p, b, t: S.training_logits(cfg, p, b, t))(
+        jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, batch), jnp.asarray(targets))
+
+    ref_codes = np.array(batch.codes, np.int64)
+    sup = targets >= 0
+    for t in range(1, s):
+        if sup[:, t - 1].any():
+            ref = reference_logits(hf, ids, mask, pv, grid, table=table, codes_in=ref_codes)
+            c = np_code(ref[:, t - 1], mcfg.n_bits)
+            ref_codes[:, t] = np.where(sup[:, t - 1], c, ref_codes[:, t])
+    ref = reference_logits(hf, ids, mask, pv, grid, table=table, codes_in=ref_codes)
+    np.testing.assert_array_equal(np.asarray(codes), ref_codes)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[valid], ref[valid], atol=2e-4)
+    # fewer passes than the span needs give different codes: the property is not vacuous
+    cfg2 = config_from_raw({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "introspection_passes": 2}})
+    _, codes2 = jax.jit(lambda p, b, t: S.training_logits(cfg2, p, b, t))(
+        jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, batch), jnp.asarray(targets))
+    assert not np.array_equal(np.asarray(codes2), ref_codes)
