@@ -89,8 +89,9 @@ def plot_code_hist(rows: dict, n_levels: int, path: str) -> None:
         right = [r["code"] / (n_levels - 1) for r in rows[arm] if r["correct"]]
         wrong = [r["code"] / (n_levels - 1) for r in rows[arm] if not r["correct"]]
         bins = [i / 20 for i in range(21)]
-        ax.hist(right, bins=bins, alpha=0.6, color="#55a868", label=f"right ({len(right)})", density=True)
-        ax.hist(wrong, bins=bins, alpha=0.6, color="#c44e52", label=f"wrong ({len(wrong)})", density=True)
+        for values, color, name in ((right, "#55a868", "right"), (wrong, "#c44e52", "wrong")):
+            if values:       # an empty histogram with density=True divides by zero
+                ax.hist(values, bins=bins, alpha=0.6, color=color, label=f"{name} ({len(values)})", density=True)
         ax.set_xlabel("mean answer code / (L−1)  (normalised entropy)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
