@@ -93,7 +93,7 @@ def test_plain_qwen3vl_with_zero_table_gives_transformers_logits(sources, tmp_pa
     save_checkpoint(m16, str(src))          # float32 plain Qwen3-VL, tied head
     assert cli(["convert", "hf-to-orbax", str(src), str(tmp_path / "o"), "--init-uncertainty", "zeros"]) == 0
     model = PrismaVL.from_pretrained(str(tmp_path / "o"))
-    np.testing.assert_allclose(np.asarray(model.forward(IDS)), reference_logits(m16, IDS), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(model.forward(IDS)), reference_logits(m16, IDS), atol=1e-4, rtol=0)
 
 
 def test_transformers_loads_the_export(sources):
