@@ -125,7 +125,7 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     mesh = sh.mesh
     with jax.set_mesh(mesh):
         lay = lambda x: (None, "batch", None) if x.ndim == 3 else (None, None, "batch", None)  # noqa: E731
-        tb8 = TrainBatch(*(put_global(x, batch_sharding(mesh, x.shape, lay(x))) for x in tb))
+        tb8 = TrainBatch(*(None if x is None else put_global(x, batch_sharding(mesh, x.shape, lay(x))) for x in tb))
         s8, m8 = step(sharded_state(tcfg, mesh), tb8)
     res["train_loss_one"], res["train_loss_mesh"] = float(m1["loss"]), float(m8["loss"])
     p1, p8 = flat(s1.params), flat(s8.params)

@@ -12,6 +12,10 @@ import pytest
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 
+# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
+# run with `pytest -m unverified` and see the issue notes for what remains.
+pytestmark = pytest.mark.unverified
+
 HERE = os.path.dirname(__file__)
 
 

@@ -14,6 +14,12 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import sharding_worker as W  # noqa: E402
 
+# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
+# run with `pytest -m unverified` and see the issue notes for what remains.
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.unverified
+
 
 def _port() -> int:
     with socket.socket() as s:

@@ -16,6 +16,10 @@ from prisma_jax.config import ConfigError
 from train.config import config_from_raw, load_train_config
 from train.loop import run
 
+# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
+# run with `pytest -m unverified` and see the issue notes for what remains.
+pytestmark = pytest.mark.unverified
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = os.path.join(ROOT, "configs", "tiny_sft.yaml")
 

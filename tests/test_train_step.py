@@ -17,6 +17,10 @@ from train import step as S
 from train.config import config_from_raw
 from train.data import Collate
 
+# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
+# run with `pytest -m unverified` and see the issue notes for what remains.
+pytestmark = pytest.mark.unverified
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = yaml.safe_load(open(os.path.join(ROOT, "configs", "tiny.yaml")))["model"]
 
