@@ -119,6 +119,6 @@ def test_bfloat16_params_close_to_float32(untied, tmp_path):
     pv = random_pixels(grid)
     a = np.asarray(ours32.forward(ids, None, pv, grid), np.float32)
     b = np.asarray(ours16.forward(ids, None, pv, grid), np.float32)
-    # measured: max |Δ| ≈ 0.03 on logits of scale ≈ 1 (docs: README "Numerics"); bound at 0.1
-    assert np.abs(a - b).max() < 0.1
+    # measured 2026-11-29: max |Δ| = 0.0048 on logits with max |x| 0.55, std 0.16 (README "Numerics"); 4x margin
+    assert np.abs(a - b).max() < 0.02
     assert np.abs(a - b).max() > 0  # really ran in bf16
