@@ -16,8 +16,7 @@ import zlib
 import numpy as np
 
 import prisma_jax
-from prisma_jax.config import load_hf_config
-from prisma_jax.loading import check_keys, checkpoint_n_bits, resolve_dtype
+from prisma_jax.loading import open_checked, resolve_dtype
 from prisma_jax.params import UNCERTAINTY_KEY, param_shapes, get_path
 from prisma_jax.safetensors_io import Checkpoint, CheckpointError
 
@@ -31,11 +30,7 @@ def _plan(ck: Checkpoint, src: str, dtype, init_uncertainty: str):
     """(cfg, names, leaf dtypes {path: dtype}, whether the table is created) — or a CheckpointError."""
     if init_uncertainty not in ("zeros", "normal"):
         raise ValueError(f"init_uncertainty must be 'zeros' or 'normal', got {init_uncertainty!r}")
-    cfg = load_hf_config(src)
-    bits = checkpoint_n_bits(ck, cfg.text.hidden_size)
-    if bits is not None:
-        cfg = cfg.replace(n_bits=bits)
-    names = check_keys(cfg, ck, src)
+    cfg, names = open_checked(ck, src)
     target = resolve_dtype(dtype)
     leaf_dt: dict[tuple, np.dtype] = {}
     for n in names:

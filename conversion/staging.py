@@ -1,6 +1,7 @@
 """Where a conversion writes: a temporary sibling of DST, renamed over DST only once everything is written.
 
-A failed or interrupted conversion removes its temporary directory, so DST is left exactly as it was (absent,
+A failed or interrupted conversion (an exception, Ctrl-C, or SIGTERM/SIGHUP, which become SystemExit while
+the staging directory exists) removes its temporary directory, so DST is left exactly as it was (absent,
 or the previous checkpoint when --overwrite was given). Also: copying the side files (config, tokenizer,
 processor, chat template) and the pieces both directions share (byte sizes, the dry-run report).
 """
@@ -9,7 +10,9 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+import signal
 import tempfile
+import threading
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
                    "*.ckpt", "*.msgpack", "*.h5", "*.npz")
@@ -22,14 +25,20 @@ class Staging:
         check_destination(dst, overwrite, src)
         self.dst = os.path.abspath(dst)
         self.tmp = None
+        self.handlers = {}
 
     def __enter__(self) -> str:
         parent, base = os.path.split(self.dst)
         os.makedirs(parent, exist_ok=True)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self.handlers[sig] = signal.signal(sig, _exit_on_signal)
         self.tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
+        for sig, old in self.handlers.items():
+            signal.signal(sig, old)
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
@@ -48,6 +57,10 @@ class Staging:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return False
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def check_destination(dst: str, overwrite: bool, src: str | None = None) -> None:

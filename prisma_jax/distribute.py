@@ -18,8 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import params as PM
-from .loading import check_keys, checkpoint_n_bits, resolve_dtype
-from .config import ModelConfig, load_hf_config
+from .loading import open_checked, resolve_dtype
+from .config import ModelConfig
 from .safetensors_io import Checkpoint
 from .sharding import batch_sharding, param_shardings, spec_for
 
@@ -48,11 +48,7 @@ def load_hf_sharded(directory: str, mesh: Mesh, dtype="float32", uncertainty_ini
     target = resolve_dtype(dtype)
     ck = Checkpoint(directory)
     try:
-        cfg = load_hf_config(directory)
-        bits = checkpoint_n_bits(ck, cfg.text.hidden_size)
-        if bits is not None:
-            cfg = cfg.replace(n_bits=bits)
-        names = check_keys(cfg, ck, directory)
+        cfg, names = open_checked(ck, directory)
         out_dtype = target or ck.dtype(names[0].hf)
         by_path: dict = {}
         for n in names:

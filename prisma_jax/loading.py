@@ -63,6 +63,36 @@ def check_keys(cfg: ModelConfig, ck: Checkpoint, directory: str) -> list:
     return names
 
 
+def check_tied_head(cfg: ModelConfig, ck: Checkpoint, directory: str) -> None:
+    """A tied checkpoint may still hold `lm_head.weight` (some exporters write it): it is only accepted when
+    it equals `embed_tokens` bit for bit (compared in row blocks of the memory map), and is then redundant."""
+    if not cfg.tie_word_embeddings or "lm_head.weight" not in ck.where:
+        return
+    embed = next(n.hf for n in hf_names(cfg) if n.path == ("text", "embed", "embedding"))
+    head, emb = ck.get("lm_head.weight"), ck.get(embed)
+    same = head.shape == emb.shape and head.dtype == emb.dtype
+    for i in range(0, head.shape[0] if same else 0, 8192):
+        if not np.array_equal(head[i:i + 8192].view(np.uint8), emb[i:i + 8192].view(np.uint8)):
+            same = False
+            break
+    ck.release("lm_head.weight")
+    ck.release(embed)
+    if not same:
+        raise CheckpointError(f"{directory}: config.json ties the word embeddings, but lm_head.weight differs from "
+                              f"{embed}; set tie_word_embeddings to false in config.json to keep both")
+
+
+def open_checked(ck: Checkpoint, directory: str) -> tuple[ModelConfig, list]:
+    """The config of a checkpoint with n_bits taken from its table, and its tensor names, all validated."""
+    cfg = load_hf_config(directory)
+    bits = checkpoint_n_bits(ck, cfg.text.hidden_size)
+    if bits is not None:
+        cfg = cfg.replace(n_bits=bits)
+    names = check_keys(cfg, ck, directory)
+    check_tied_head(cfg, ck, directory)
+    return cfg, names
+
+
 def load_hf(directory: str, dtype="float32", uncertainty_init: str = "zeros", seed: int = 0,
             progress=None) -> tuple[dict, ModelConfig]:
     """Read a checkpoint directory into (params as NumPy arrays, config).
@@ -71,11 +101,7 @@ def load_hf(directory: str, dtype="float32", uncertainty_init: str = "zeros", se
     """
     target = resolve_dtype(dtype)
     with Checkpoint(directory) as ck:
-        cfg = load_hf_config(directory)
-        bits = checkpoint_n_bits(ck, cfg.text.hidden_size)
-        if bits is not None:
-            cfg = cfg.replace(n_bits=bits)
-        names = check_keys(cfg, ck, directory)
+        cfg, names = open_checked(ck, directory)
         shapes = param_shapes(cfg)
         src_dtype = ck.dtype(names[0].hf)
         out_dtype = target or src_dtype

@@ -59,20 +59,10 @@ def host_params(tcfg) -> dict:
 
 def sharded_state(tcfg, mesh):
     """train/step.py's fresh state from `host_params`, every leaf placed shard by shard in its sharding."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from train import sharded
+    from train.step import init_state
 
-    from prisma_jax.distribute import put_global
-    from prisma_jax.sharding import opt_state_shardings, param_shardings
-    from train.step import TrainState, make_optimizer
-
-    key = jax.random.PRNGKey(tcfg.train.seed)
-    params = jax.tree.map(put_global, host_params(tcfg), param_shardings(tcfg.model, mesh))
-    opt = make_optimizer(tcfg, params)
-    sh = opt_state_shardings(jax.eval_shape(opt.init, params), param_shardings(tcfg.model, mesh), mesh)
-    opt_state = jax.jit(opt.init, out_shardings=sh)(params)
-    rep = NamedSharding(mesh, P())
-    return TrainState(put_global(np.zeros((), np.int32), rep), params, opt_state, put_global(np.asarray(key), rep))
+    return sharded.put_state(init_state(tcfg, host_params(tcfg)), sharded.state_shardings(tcfg, mesh))
 
 
 def flat(tree) -> dict:
@@ -87,9 +77,8 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     import jax
 
     from prisma_jax.api import PrismaVL
-    from prisma_jax.distribute import put_global
     from prisma_jax.plan import all_gathers, forbidden_gathers, lower_decode
-    from prisma_jax.sharding import batch_sharding
+    from train import loop, sharded
     from train.step import TrainBatch, init_state, make_train_step
 
     assert len(jax.devices()) == 8
@@ -124,13 +113,25 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     s1, m1 = step(init_state(tcfg, host_params(tcfg)), tb)
     mesh = sh.mesh
     with jax.set_mesh(mesh):
-        lay = lambda x: (None, "batch", None) if x.ndim == 3 else (None, None, "batch", None)  # noqa: E731
-        tb8 = TrainBatch(*(None if x is None else put_global(x, batch_sharding(mesh, x.shape, lay(x))) for x in tb))
-        s8, m8 = step(sharded_state(tcfg, mesh), tb8)
+        s8, m8 = step(sharded_state(tcfg, mesh), sharded.put_batch(tb, mesh))
     res["train_loss_one"], res["train_loss_mesh"] = float(m1["loss"]), float(m8["loss"])
     p1, p8 = flat(s1.params), flat(s8.params)
     res["train_param_max_diff"] = max(float(np.max(np.abs(p1[k] - p8[k]))) for k in p1)
     res["train_param_moved"] = max(float(np.max(np.abs(p1[k] - v))) for k, v in flat(host_params(tcfg)).items())
+
+    # the training loop with `train.mesh` (synthetic data, 3 steps) against the same loop on one device
+    import dataclasses
+
+    from prisma_jax.sharding import MeshSpec
+    lcfg = dataclasses.replace(tcfg, train=dataclasses.replace(tcfg.train, steps=3))
+    mcfg = dataclasses.replace(lcfg, train=dataclasses.replace(lcfg.train, mesh=MeshSpec(2, 2, 2)))
+    work = os.path.dirname(out)
+    quiet = dict(progress=False, log=lambda *a: None)
+    loop.run(lcfg, os.path.join(work, "loop1"), **quiet)
+    loop.run(mcfg, os.path.join(work, "loop8"), stop_at=2, **quiet)
+    loop.run(mcfg, os.path.join(work, "loop8"), **quiet)         # resumed on the mesh from step 2
+    losses = lambda d: [json.loads(x)["loss"] for x in open(os.path.join(work, d, "metrics.jsonl"))]  # noqa: E731
+    res["loop_losses_one"], res["loop_losses_mesh"] = losses("loop1"), losses("loop8")
     np.savez(out + ".npz", **p1)
     with open(out, "w") as f:
         json.dump(res, f)
@@ -146,6 +147,7 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
     from jax.experimental import multihost_utils
 
     from prisma_jax.sharding import abstract_sharded_params, make_mesh
+    from train import sharded
     from train.step import TrainBatch, make_train_step
 
     assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
@@ -155,9 +157,9 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
     res: dict = {"process": jax.process_index()}
     if mode == "mh_train":
         rows = multihost.host_rows(mesh, BATCH)
-        local = train_batch_np(tcfg.model, rows)
+        local = TrainBatch(*train_batch_np(tcfg.model, rows))
         with jax.set_mesh(mesh):
-            tb = TrainBatch(*(multihost.host_batch(x, mesh, batch_axis=x.ndim - 2) for x in local))
+            tb = sharded.put_batch(local, mesh)
             state, metrics = jax.jit(make_train_step(tcfg))(sharded_state(tcfg, mesh), tb)
         res["loss"] = float(np.asarray(metrics["loss"].addressable_data(0)))
         params = state.params

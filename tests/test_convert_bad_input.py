@@ -4,6 +4,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -161,3 +164,49 @@ def test_export_of_a_corrupted_orbax_array_names_the_tensor(good, tmp_path, caps
 def test_export_of_a_directory_that_is_not_a_conversion(good, tmp_path, capsys):
     _refused(capsys, ["convert", "orbax-to-hf", str(good / "single"), str(tmp_path / "out")],
              "not a checkpoint written by `prisma convert hf-to-orbax`")
+
+
+def _tied_with_head(good, tmp_path, head_of):
+    """A tied checkpoint that also stores lm_head.weight (as some exporters do)."""
+    src = tmp_path / "tied"
+    src.mkdir()
+    model = build_model(tiny_hf_config(tie=True), seed=6)
+    save_checkpoint(model, str(src))
+    with Checkpoint(str(src)) as ck:
+        tensors = {k: np.array(ck.get(k)) for k in ck.keys()}
+    tensors["lm_head.weight"] = head_of(tensors["model.language_model.embed_tokens.weight"])
+    write_file(str(src / "model.safetensors"), tensors.items())
+    return src
+
+
+def test_tied_source_with_an_equal_lm_head_converts(good, tmp_path, capsys):
+    src = _tied_with_head(good, tmp_path, lambda e: e.copy())
+    assert cli(["convert", "hf-to-orbax", str(src), str(tmp_path / "out")]) == 0
+    meta = json.load(open(tmp_path / "out" / "prisma_checkpoint.json"))
+    assert "lm_head.weight" not in meta["tensors"] and meta["tie_word_embeddings"] is True
+
+
+def test_tied_source_with_a_different_lm_head_is_refused(good, tmp_path, capsys):
+    src = _tied_with_head(good, tmp_path, lambda e: e + np.float32(1e-3))
+    _refused(capsys, ["convert", "hf-to-orbax", str(src), str(tmp_path / "out")],
+             "lm_head.weight differs", "tie_word_embeddings")
+
+
+def test_sigterm_mid_conversion_leaves_nothing_behind(good, tmp_path):
+    """SIGTERM while the arrays are being written: exit 143, no DST and no temporary sibling."""
+    dst = tmp_path / "out"
+    code = ("import sys, time\n"
+            "from conversion import orbax_layout as L\n"
+            "def stall(*a, **k):\n"
+            "    print('writing', flush=True); time.sleep(120)\n"
+            "L.write_tree_metadata = stall\n"
+            "from prisma_jax.cli import main\n"
+            f"sys.exit(main(['convert', 'hf-to-orbax', {str(good / 'single')!r}, {str(dst)!r}]))\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.stdout.readline().strip() == "writing", proc.stderr.read()
+    assert any(n.startswith(".out.tmp-") for n in os.listdir(tmp_path))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 143
+    assert os.listdir(tmp_path) == []

@@ -74,3 +74,9 @@ def test_one_training_step_matches_one_device(res):
     assert abs(res["train_loss_one"] - res["train_loss_mesh"]) <= 1e-5
     assert res["train_param_max_diff"] <= 1e-5
     assert res["train_param_moved"] > 1e-4     # the step did change the parameters
+
+
+def test_training_loop_on_the_mesh_matches_one_device_and_resumes(res):
+    one, mesh = res["loop_losses_one"], res["loop_losses_mesh"]
+    assert len(one) == len(mesh) == 3
+    np.testing.assert_allclose(mesh, one, atol=1e-5, rtol=0)

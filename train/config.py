@@ -20,6 +20,7 @@ import typing
 import yaml
 
 from prisma_jax.config import ConfigError, ModelConfig, config_from_dict, read_yaml
+from prisma_jax.sharding import MeshSpec
 
 FREEZE_GROUPS = ("vision", "embed", "layers", "text", "lm_head", "uncertainty")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -38,6 +39,7 @@ class TrainSection:
     freeze: tuple[str, ...] = ()        # parameter groups left unchanged (FREEZE_GROUPS)
     init: str | None = None             # None: random init from `seed`; else a Hugging Face checkpoint dir
     log_every: int = 1
+    mesh: object = None                 # None: one device; a preset name or {data, fsdp, tensor} (→ MeshSpec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,8 @@ SECTIONS = {"train": TrainSection, "optimizer": OptimizerSection, "data": DataSe
 
 def _coerce(value, tp, where: str):
     """Check `value` against a field annotation (int, float, str, bool, Optional, tuple[str, ...])."""
+    if tp is object:                    # validated by _check
+        return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
@@ -158,6 +162,12 @@ def _check(c: Config) -> Config:
     need(t.remat in REMAT_POLICIES, f"train.remat must be one of {REMAT_POLICIES}, got {t.remat!r}")
     bad = [g for g in t.freeze if g not in FREEZE_GROUPS]
     need(not bad, f"train.freeze: unknown group(s) {bad}; groups are {FREEZE_GROUPS}")
+    if t.mesh is not None:
+        try:
+            c = dataclasses.replace(c, train=dataclasses.replace(t, mesh=MeshSpec.parse(t.mesh)))
+        except ValueError as e:
+            problems.append(f"train.{e}" if str(e).startswith("mesh") else f"train.mesh: {e}")
+        need(t.batch_size // t.grad_accum >= 1, "train.mesh needs at least one row per micro-batch")
     need(t.log_every >= 1, f"train.log_every must be ≥ 1, got {t.log_every}")
     need(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optimizer.warmup_steps must be ≥ 0, got {o.warmup_steps}")

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from . import data as data_mod
+from . import data as data_mod, sharded
 from .config import Config
 from .step import TrainState, init_state, make_train_step
 
@@ -72,19 +72,24 @@ def _initial_params(cfg: Config):
     return params
 
 
-def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator) -> TrainState:
-    """The latest checkpoint in the manager's directory (checked to hold this model), or a fresh state."""
+def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=None) -> TrainState:
+    """The latest checkpoint in the manager's directory (checked to hold this model), or a fresh state; on
+    `mesh`, created or restored directly in its shardings."""
     latest = mngr.latest_step()
     if latest is None:
-        return init_state(cfg, _initial_params(cfg))
+        return init_state(cfg, _initial_params(cfg)) if mesh is None else sharded.init_state(cfg, mesh)
     meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     diff = _diff(meta.get("model", {}), json.loads(json.dumps(cfg.model.to_dict())))
     if diff:
         raise ValueError(f"{mngr.directory} holds a checkpoint (step {latest}) of a different model ("
                          + "; ".join(diff[:4]) + "): use another --workdir")
-    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
-                          jax.eval_shape(lambda: _as_dict(init_state(cfg))))
+    shapes = jax.eval_shape(lambda: _as_dict(init_state(cfg)))
+    if mesh is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), shapes)
+    else:
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                              _as_dict(sharded.state_shardings(cfg, mesh)))
     got = mngr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                         data=ocp.args.JsonRestore()))
     iterator.set_state(got["data"])
@@ -95,10 +100,15 @@ def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator) -> Train
 _STEPS: dict = {}
 
 
-def compiled_step(cfg: Config, params):
-    """The jitted step for this config, one per process (a resumed run in the same process reuses it)."""
+def compiled_step(cfg: Config, params, mesh=None):
+    """The jitted step for this config, one per process (a resumed run in the same process reuses it). On a
+    mesh the new state keeps the state's shardings and the metrics are replicated."""
     if cfg not in _STEPS:
-        _STEPS[cfg] = jax.jit(make_train_step(cfg, params), donate_argnums=0)
+        out = None
+        if mesh is not None:
+            out = (sharded.state_shardings(cfg, mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        _STEPS[cfg] = jax.jit(make_train_step(cfg, params), donate_argnums=0,
+                              **({} if out is None else {"out_shardings": out}))
     return _STEPS[cfg]
 
 
@@ -123,24 +133,26 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
     dataset, info = data_mod.build(cfg, workdir)
     iterator = iter(dataset)
     mngr = _manager(cfg, workdir)
+    mesh = sharded.mesh_of(cfg)
     try:
-        state = restore_or_init(cfg, mngr, iterator)
+        state = restore_or_init(cfg, mngr, iterator, mesh)
         start = int(state.step)
+        where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
         log(f"data: {info.line() if info.records >= 0 else 'synthetic'}; "
-            f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}")
-        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log)
+            f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}{where}")
+        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh)
     finally:
         mngr.close()
 
 
-def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log):
+def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None):
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     _trim_metrics(metrics_path, start)
     meta = {"model": cfg.model.to_dict(), "config": cfg.to_dict()}
-    step_fn = compiled_step(cfg, state.params)
+    step_fn = compiled_step(cfg, state.params, mesh)
     preempted = _Preempted()
     old = signal.signal(signal.SIGTERM, preempted)
     writer = SummaryWriter(os.path.join(workdir, "tb"))
@@ -158,11 +170,15 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log):
                 t0 = time.perf_counter()
                 batch = next(iterator)
                 data_state = iterator.get_state()          # position after this batch = after this step
-                state, m = step_fn(state, batch)
+                n_in = int(np.sum(batch.attention_mask)) * jax.process_count()
+                if mesh is not None:
+                    with jax.set_mesh(mesh):
+                        state, m = step_fn(state, sharded.put_batch(batch, mesh))
+                else:
+                    state, m = step_fn(state, batch)
                 m = jax.device_get(m)
                 dt = time.perf_counter() - t0
                 step += 1
-                n_in = int(np.sum(batch.attention_mask))
                 last = {"step": step, **{k: float(v) for k, v in m.items()}, "tokens_per_sec": n_in / dt,
                         "step_time": dt}
                 if step % cfg.train.log_every == 0 or step == stop_at:
