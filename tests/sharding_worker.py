@@ -92,6 +92,11 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     mask = np.ones_like(ids)
     mask[2, :4] = 0
     l1, l8 = one.forward(ids, mask), sh.forward(ids, mask)
+    orbax_dir = os.path.join(os.path.dirname(out), "orbax")       # written by the test from CKPT
+    ob = PrismaVL.from_pretrained(orbax_dir, mesh=MESH)
+    res["orbax_specs_equal"] = all(a.sharding.spec == b.sharding.spec
+                                   for a, b in zip(jax.tree.leaves(ob.params), jax.tree.leaves(sh.params)))
+    res["orbax_forward_max_diff"] = float(np.max(np.abs(np.asarray(l1) - np.asarray(ob.forward(ids, mask)))))
     res["logits_sharding"] = str(l8.sharding.spec)
     res["forward_max_diff"] = float(np.max(np.abs(np.asarray(l1) - np.asarray(l8))))
     res["codes_equal"] = bool(np.array_equal(one.uncertainty_codes(l1), sh.uncertainty_codes(l8)))

@@ -24,6 +24,8 @@ def res(tmp_path_factory):
     d = tmp_path_factory.mktemp("mesh")
     table = np.random.default_rng(3).normal(0, 0.02, (256, 64)).astype(np.float32)
     ckpt = save_checkpoint(build_model(tiny_hf_config()), str(d / "ckpt"), table=table)
+    from prisma_jax.cli import main as cli
+    assert cli(["convert", "hf-to-orbax", ckpt, str(d / "orbax")]) == 0
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = str(d / "mesh.json")
     p = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), "mesh", ckpt, out], env=env,
@@ -37,6 +39,10 @@ def test_forward_and_codes_match_one_device(res):
     assert res["forward_max_diff"] <= 1e-5
     assert res["codes_equal"]
     assert res["logits_sharding"] == "PartitionSpec(('data', 'fsdp'), None, 'tensor')"
+
+
+def test_orbax_checkpoint_restores_onto_the_mesh(res):
+    assert res["orbax_specs_equal"] and res["orbax_forward_max_diff"] <= 1e-5
 
 
 def test_greedy_generation_matches_one_device(res):

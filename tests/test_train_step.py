@@ -13,6 +13,7 @@ from hf_tiny import IMAGE, VEND, VSTART, build_model, image_tokens, random_pixel
     save_checkpoint, tiny_hf_config
 from prisma_jax.inputs import prepare
 from prisma_jax.loading import load_hf
+from prisma_jax.params import init_params_numpy
 from train import step as S
 from train.config import config_from_raw
 from train.data import Collate
@@ -56,13 +57,14 @@ def test_grad_accumulation_equals_one_big_batch():
     sm = samples()
     b1, b4 = Collate(cfg1, 8)(sm), Collate(cfg4, 8)(sm)
     assert b4.input_ids.shape == (4, 2, 24) and b1.input_ids.shape == (1, 8, 24)
-    s1, m1 = jax.jit(S.make_train_step(cfg1))(S.init_state(cfg1), b1)
-    s4, m4 = jax.jit(S.make_train_step(cfg4))(S.init_state(cfg4), b4)
-    assert float(m1["tokens"]) == float(m4["tokens"]) == sum(int(x["supervised"][1:].sum()) for x in sm)
-    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
-    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):   # updates are ~1e-2 per entry
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    params = init_params_numpy(cfg1.model, seed=0)
+    g1, l1, n1, _ = jax.jit(lambda p, b: S.grads_and_stats(cfg1, p, b))(params, b1)
+    g4, l4, n4, _ = jax.jit(lambda p, b: S.grads_and_stats(cfg4, p, b))(params, b4)
+    assert float(n1) == float(n4) == sum(int(x["supervised"][1:].sum()) for x in sm)
+    np.testing.assert_allclose(l1, l4, rtol=1e-6)
+    # the gradients of the step (what the optimizer sees), equal to float32 round-off of the summation order
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-5 * max(np.max(np.abs(np.asarray(a))), 1e-3)
 
 
 @pytest.mark.parametrize("freeze", [("vision", "text", "lm_head"), ("vision", "uncertainty")])

@@ -14,6 +14,7 @@ Not here: data, checkpoints, logging (train/data.py, train/loop.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -79,11 +80,17 @@ def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+@functools.lru_cache(maxsize=8)
+def _init_params_fn(model):
+    """One compiled init program per model config (threefry programs are slow to compile on CPU)."""
+    return jax.jit(lambda k: init_params(model, jax.random.fold_in(k, 1), jnp.float32))
+
+
 def init_state(cfg: Config, params: dict | None = None) -> TrainState:
     """Fresh state: float32 params (random from train.seed unless given), optimizer state, step 0."""
     key = jax.random.PRNGKey(cfg.train.seed)
     if params is None:
-        params = jax.jit(lambda k: init_params(cfg.model, jax.random.fold_in(k, 1), jnp.float32))(key)
+        params = _init_params_fn(cfg.model)(key)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     opt_state = jax.jit(make_optimizer(cfg, params).init)(params)
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, key)
