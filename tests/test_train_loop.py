@@ -16,10 +16,6 @@ from prisma_jax.config import ConfigError
 from train.config import config_from_raw, load_train_config
 from train.loop import run
 
-# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
-# run with `pytest -m unverified` and see the issue notes for what remains.
-pytestmark = pytest.mark.unverified
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = os.path.join(ROOT, "configs", "tiny_sft.yaml")
 
@@ -75,7 +71,8 @@ def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     last = losses(wd)[-1]["step"]
     assert 2 <= last < 400 and f"SIGTERM: saved step {last}" in out + err
-    assert [d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()] == [str(last)]
+    # the newest checkpoint is the SIGTERM one (Orbax also keeps its first-step save)
+    assert max(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == last
     r = subprocess.run(cmd + ["--steps", str(last + 1)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming from step {last}" in r.stdout
