@@ -167,7 +167,6 @@ def _check(c: Config) -> Config:
             c = dataclasses.replace(c, train=dataclasses.replace(t, mesh=MeshSpec.parse(t.mesh)))
         except ValueError as e:
             problems.append(f"train.{e}" if str(e).startswith("mesh") else f"train.mesh: {e}")
-        need(t.batch_size // t.grad_accum >= 1, "train.mesh needs at least one row per micro-batch")
     need(t.log_every >= 1, f"train.log_every must be ≥ 1, got {t.log_every}")
     need(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optimizer.warmup_steps must be ≥ 0, got {o.warmup_steps}")
