@@ -1,4 +1,5 @@
-"""`prisma convert hf-to-orbax|orbax-to-hf`: argument parsing only; the work is in hf_to_orbax / orbax_to_hf."""
+"""`prisma convert hf-to-orbax|orbax-to-hf|train-to-hf`: argument parsing only; the work is in hf_to_orbax,
+orbax_to_hf and train/export.py."""
 from __future__ import annotations
 
 from .staging import human_bytes, parse_bytes
@@ -30,6 +31,16 @@ def add_parser(subparsers) -> None:
                    "memory; write nothing")
     b.set_defaults(func=_orbax_to_hf)
 
+    c = sub.add_parser("train-to-hf", help="a `prisma train` checkpoint (its params) -> a safetensors directory")
+    c.add_argument("workdir", metavar="WORKDIR", help="the run's --workdir")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    c.add_argument("--processor", default=None, help="copy the tokenizer/processor files of this directory")
+    c.add_argument("--eos-token-id", type=int, default=None)
+    c.add_argument("--pad-token-id", type=int, default=None)
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.set_defaults(func=_train_to_hf)
+
 
 def _hf_to_orbax(args) -> int:
     from .hf_to_orbax import convert
@@ -49,4 +60,12 @@ def _orbax_to_hf(args) -> int:
         files = sorted(set(index["weight_map"].values()))
         print(f"wrote {args.dst}: {len(index['weight_map'])} tensors, {human_bytes(index['metadata']['total_size'])}"
               f" in {len(files)} shard(s)")
+    return 0
+
+
+def _train_to_hf(args) -> int:
+    from train.export import export
+    step = export(args.workdir, args.dst, args.step, args.processor, args.eos_token_id, args.pad_token_id,
+                  args.overwrite)
+    print(f"wrote {args.dst}: the params of step {step} of {args.workdir}")
     return 0

@@ -29,6 +29,7 @@ from . import model as M
 from .config import ModelConfig
 from .inputs import prepare
 from .sampling import SamplingParams, UncertaintyTemperature, check_sampling, greedy, sample
+from .text import unstack_layers
 from .uncertainty import NONE, codes_from_entropy, entropy
 
 
@@ -54,6 +55,7 @@ class Spec(NamedTuple):
     introspection: bool = True       # False: no injection and no code (the benchmark's "mechanism off")
     new_bucket: int = 16             # output buffer length T
     keep_logits: bool = False        # also record every step's logits [B, T, V] (tests, debugging)
+    unroll_layers: bool = False      # decode with the unrolled layer layout (text.py; the default on CPU)
     temperature_fn: Any = UncertaintyTemperature()
 
 
@@ -156,7 +158,12 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
                            put(s.tokens, tok), put(s.codes, code), put(s.entropies, jnp.where(live, ent, 0.0)),
                            kept)
 
-    return jax.lax.while_loop(cond, body, state)
+    if not spec.unroll_layers:
+        return jax.lax.while_loop(cond, body, state)
+    text, cache = unstack_layers(params["text"], state.cache)          # sliced once per call, not per step
+    params = {**params, "text": text}
+    out = jax.lax.while_loop(cond, body, state._replace(cache=cache))
+    return out._replace(cache={name: jnp.stack(kv) for name, kv in out.cache.items()})
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -173,17 +180,24 @@ def _eos_list(eos_token_id, vocab: int) -> list[int]:
     return out
 
 
-def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pixel_values=None,
-             image_grid_thw=None, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
-             uncertainty_power: float = 0.0, temperature_fn=None, return_entropies: bool = False,
-             return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32,
-             new_floor: int = 16) -> GenerateResult:
-    """Generate up to `max_new_tokens` per row from left-padded prompts; see the module docstring.
+class Plan(NamedTuple):
+    """One validated request, ready for the device: the arguments of `prefill` and `decode` after `params`."""
+    spec: Spec
+    batch: M.Batch
+    next_pos: np.ndarray     # [B] int32
+    sp: SamplingParams
+    eos: np.ndarray          # [4k] int32, −1 padded
+    pad: np.int32
+    max_new: np.int32
+    seed: int
 
-    temperature 0 = greedy (top_k / top_p ignored). `eos_token_id`: int, list or None (no end token).
-    `introspection=False` turns the mechanism off (no injection, codes 0) for measuring its cost.
-    """
+
+def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
+         max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+         eos_token_id=None, pad_token_id: int | None = None, uncertainty_power: float = 0.0, temperature_fn=None,
+         return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32, new_floor: int = 16,
+         unroll_layers: bool | None = None) -> Plan:
+    """Host side of `generate`: validate (ValueError before any compile), pad to the buckets, index positions."""
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens}")
     max_new_tokens = int(max_new_tokens)
@@ -226,13 +240,33 @@ def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pix
     greedy_ = temperature == 0
     fn = temperature_fn or UncertaintyTemperature()
     spec = Spec(greedy=bool(greedy_), introspection=bool(introspection),
-                new_bucket=bucket(max_new_tokens, new_floor), keep_logits=bool(return_logits), temperature_fn=fn)
+                new_bucket=bucket(max_new_tokens, new_floor), keep_logits=bool(return_logits),
+                unroll_layers=(jax.default_backend() == "cpu") if unroll_layers is None else bool(unroll_layers),
+                temperature_fn=fn)
     sp = SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p), np.float32(uncertainty_power))
     n_eos = max(4, -(-len(eos) // 4) * 4)                  # padded with −1 to a multiple of 4: few shapes
     eos_arr = np.asarray(eos + [-1] * (n_eos - len(eos)), np.int32)
     pad = np.int32(pad_token_id)
-    state = prefill(cfg, spec, params, batch, next_pos.astype(np.int32), sp, eos_arr, pad, jax.random.key(seed))
-    state = decode(cfg, spec, params, state, sp, eos_arr, pad, np.int32(max_new_tokens))
+    return Plan(spec, batch, next_pos.astype(np.int32), sp, eos_arr, pad, np.int32(max_new_tokens), int(seed))
+
+
+def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pixel_values=None,
+             image_grid_thw=None, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
+             uncertainty_power: float = 0.0, temperature_fn=None, return_entropies: bool = False,
+             return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32,
+             new_floor: int = 16, unroll_layers: bool | None = None) -> GenerateResult:
+    """Generate up to `max_new_tokens` per row from left-padded prompts; see the module docstring.
+
+    temperature 0 = greedy (top_k / top_p ignored). `eos_token_id`: int, list or None (no end token).
+    `introspection=False` turns the mechanism off (no injection, codes 0) for measuring its cost.
+    `unroll_layers`: decode layer loop unrolled (text.py); None = on the CPU backend only.
+    """
+    p = plan(cfg, input_ids, attention_mask, pixel_values, image_grid_thw, max_new_tokens, temperature, top_k, top_p,
+             seed, eos_token_id, pad_token_id, uncertainty_power, temperature_fn, return_logits, introspection,
+             prompt_floor, new_floor, unroll_layers)
+    state = prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(p.seed))
+    state = decode(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new)
     tokens, codes, ents, lengths, logits = jax.device_get(
         (state.tokens, state.codes, state.entropies, state.lengths, state.logits))
     t = int(lengths.max())

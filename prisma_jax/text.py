@@ -3,6 +3,11 @@
 One function serves a full forward, a prefill that fills a KV cache, and a cached decode step: the cache is
 `{"k", "v"}: [layers, B, S_max, KV, hd]`, scanned alongside the stacked layer parameters, and new keys/values
 are written at slot `write_pos`. Which keys a query may see is the caller's `mask [B, S_q, S_k]`.
+
+Unrolled layout (`unstack_layers`): the layers as a tuple of per-layer trees and the cache as tuples of per-layer
+arrays, run by a Python loop. XLA:CPU copies a scanned layer's weight slice out of the stack before every
+matmul, which triples the memory traffic of a decode step; the jitted decode loop therefore slices the stack
+once per call, outside its `while_loop` (generate.py), and runs this layout on CPU.
 """
 from __future__ import annotations
 
@@ -60,6 +65,16 @@ def decoder(cfg: TextConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Arr
             x = jnp.where((deepstack.is_image & (idx < n_ds))[..., None], x + feat.astype(x.dtype), x)
         return x, (kc, vc)
 
+    if isinstance(p["layers"], tuple):                                 # unrolled layout (module docstring)
+        none = (None,) * len(p["layers"])
+        ks, vs = (none, none) if cache is None else (cache["k"], cache["v"])
+        new = []
+        for i, (lp, kc, vc) in enumerate(zip(p["layers"], ks, vs)):
+            x, kv = body(x, (lp, jnp.int32(i), kc, vc))
+            new.append(kv)
+        x = rms_norm(p["norm"], x, cfg.rms_norm_eps)
+        return x, (None if cache is None else {"k": tuple(k for k, _ in new), "v": tuple(v for _, v in new)})
+
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy)
     layers = jnp.arange(cfg.num_hidden_layers)
@@ -68,3 +83,11 @@ def decoder(cfg: TextConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Arr
     x, (kc, vc) = jax.lax.scan(body, x, (p["layers"], layers, kc, vc))
     x = rms_norm(p["norm"], x, cfg.rms_norm_eps)
     return x, (None if cache is None else {"k": constrain(kc, CACHE_AXES), "v": constrain(vc, CACHE_AXES)})
+
+
+def unstack_layers(text_params: dict, cache: dict | None = None):
+    """Stacked layout → unrolled layout: (text params with `layers` a tuple, cache {"k", "v"} of tuples)."""
+    n = jax.tree.leaves(text_params["layers"])[0].shape[0]
+    split = lambda tree: tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))   # noqa: E731
+    p = {**text_params, "layers": split(text_params["layers"])}
+    return p, (None if cache is None else {"k": split(cache["k"]), "v": split(cache["v"])})

@@ -124,11 +124,12 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     res["train_param_max_diff"] = max(float(np.max(np.abs(p1[k] - p8[k]))) for k in p1)
     res["train_param_moved"] = max(float(np.max(np.abs(p1[k] - v))) for k, v in flat(host_params(tcfg)).items())
 
-    # the training loop with `train.mesh` (synthetic data, 3 steps) against the same loop on one device
+    # the training loop with `train.mesh` (synthetic data, 3 steps, starting from CKPT: no random-init program
+    # to compile) against the same loop on one device
     import dataclasses
 
     from prisma_jax.sharding import MeshSpec
-    lcfg = dataclasses.replace(tcfg, train=dataclasses.replace(tcfg.train, steps=3))
+    lcfg = dataclasses.replace(tcfg, train=dataclasses.replace(tcfg.train, steps=3, init=ckpt))
     mcfg = dataclasses.replace(lcfg, train=dataclasses.replace(lcfg.train, mesh=MeshSpec(2, 2, 2)))
     work = os.path.dirname(out)
     quiet = dict(progress=False, log=lambda *a: None)

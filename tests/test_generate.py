@@ -66,9 +66,13 @@ def mixed(models):
     return rows, ids, mask, pv, r
 
 
-def test_kv_cached_decode_equals_full_recompute(models, mixed):
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled-layers", "scanned-layers"])
+def test_kv_cached_decode_equals_full_recompute(models, mixed, unroll):
+    """Both decode layer layouts (text.py): unrolled (the CPU default, as `mixed` ran) and scanned."""
     _, _, m = models
     rows, ids, mask, pv, r = mixed
+    if not unroll:
+        r = m.generate(ids, mask, pv, [GRID, GRID], max_new_tokens=STEPS, return_logits=True, unroll_layers=False)
     assert r.logits.shape == (5, STEPS, 128) and r.lengths.tolist() == [STEPS] * 5
     # the whole sequence (prompt + generated tokens, each with the code it was fed with) in one forward
     seq = np.concatenate([ids, r.tokens], axis=1)

@@ -178,3 +178,45 @@ def test_workdir_of_a_different_model_is_refused_and_kept(tmp_path):
         run(config_from_raw(raw), wd, progress=False, log=lambda *_: None)
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before
     assert [m["step"] for m in losses(wd)] == [1, 2]
+
+
+def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys):
+    """`prisma convert train-to-hf`: the chosen step's params, read back through the Hugging Face loader, equal
+    the ones Orbax holds for that step; bad steps, workdirs and destinations are refused by name."""
+    import orbax.checkpoint as ocp
+
+    from prisma_jax.loading import load_hf
+
+    wd = str(tmp_path / "run")
+    cfg = small(train__steps=2, checkpoint__every=1, data__source="synthetic", data__max_images=0)
+    run(cfg, wd, progress=False, log=lambda *_: None)
+    mngr = ocp.CheckpointManager(os.path.join(wd, "checkpoints"), item_names=("state", "data", "meta"))
+    want = {s: mngr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
+            for s in (1, 2)}
+    mngr.close()
+    for step in (1, 2):
+        dst = str(tmp_path / f"hf{step}")
+        assert cli_main(["convert", "train-to-hf", wd, dst, "--step", str(step), "--eos-token-id", "2"]) == 0
+        got, got_cfg = load_hf(dst, dtype="float32")
+        assert got_cfg == cfg.model
+        flat_w, flat_g = jax_leaves(want[step]), jax_leaves(got)
+        assert len(flat_w) == len(flat_g)
+        for (pw, w), (pg, g) in zip(flat_w, flat_g):
+            assert pw == pg
+            np.testing.assert_array_equal(np.asarray(w), g, err_msg=pw)
+        assert json.load(open(os.path.join(dst, "generation_config.json")))["eos_token_id"] == 2
+    assert not np.array_equal(want[1]["lm_head"]["kernel"], want[2]["lm_head"]["kernel"])
+    capsys.readouterr()
+    bad = [([wd, str(tmp_path / "x"), "--step", "7"], "no checkpoint at step 7"),
+           ([str(tmp_path / "nowhere"), str(tmp_path / "y")], "no checkpoints/ directory"),
+           ([wd, str(tmp_path / "hf1")], "already exists")]
+    for args, msg in bad:
+        assert cli_main(["convert", "train-to-hf", *args]) != 0
+        assert msg in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def jax_leaves(tree):
+    import jax
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]

@@ -8,17 +8,15 @@ so the same code runs on one host and on a pod. Pixel values and the vision geom
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from prisma_jax import multihost
 from prisma_jax.distribute import load_hf_sharded, put_global
-from prisma_jax.params import init_params
 from prisma_jax.sharding import make_mesh, opt_state_shardings, param_shardings
 
 from .config import Config
-from .step import TrainBatch, TrainState, make_optimizer
+from .step import TrainBatch, TrainState, fresh_state
 
 # the row (batch) axis of each TrainBatch field
 _ROW_AXIS = {"input_ids": 1, "attention_mask": 1, "codes": 1, "targets": 1, "positions": 2}
@@ -31,27 +29,21 @@ def mesh_of(cfg: Config) -> Mesh | None:
 def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
     """A TrainState of NamedShardings (for jit's out_shardings and for restoring checkpoints)."""
     ps = param_shardings(cfg.model, mesh)
-    abstract = jax.eval_shape(lambda: _fresh(cfg, jax.random.PRNGKey(0)))
+    abstract = jax.eval_shape(lambda: fresh_state(cfg, jax.random.PRNGKey(0)))
     rep = NamedSharding(mesh, P())
     opt = opt_state_shardings(abstract.opt_state, ps, mesh)
     return TrainState(rep, ps, opt, rep)
 
 
-def _fresh(cfg: Config, key, params=None) -> TrainState:
-    if params is None:
-        params = init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32)
-    return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg, params).init(params), key)
-
-
 def init_state(cfg: Config, mesh: Mesh) -> TrainState:
-    """The fresh state of train/step.py's `init_state`, created directly in its shardings: random params are
+    """train/step.py's `fresh_state`, created directly in its shardings: random params are
     drawn by a program whose outputs are sharded, `train.init` is read shard by shard; nothing whole on a device."""
     sh = state_shardings(cfg, mesh)
     key = jax.random.PRNGKey(cfg.train.seed)
     if cfg.train.init is None:
-        return jax.jit(lambda k: _fresh(cfg, k), out_shardings=sh)(key)
+        return jax.jit(lambda k: fresh_state(cfg, k), out_shardings=sh)(key)
     params, _ = load_hf_sharded(cfg.train.init, mesh, dtype="float32")
-    return jax.jit(lambda k, p: _fresh(cfg, k, p), out_shardings=sh, donate_argnums=1)(key, params)
+    return jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)(key, params)
 
 
 def put_state(state: TrainState, shardings: TrainState) -> TrainState:

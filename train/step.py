@@ -80,6 +80,15 @@ def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+def fresh_state(cfg: Config, key: jax.Array, params: dict | None = None) -> TrainState:
+    """The step-0 state (traceable, so a mesh can create it in its shardings: train/sharded.py): float32
+    params (random from `key` unless given), the optimizer's initial state, `key` as the training RNG."""
+    if params is None:
+        params = init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg, params).init(params), key)
+
+
 @functools.lru_cache(maxsize=8)
 def _init_params_fn(model):
     """One compiled init program per model config (threefry programs are slow to compile on CPU)."""
@@ -87,13 +96,11 @@ def _init_params_fn(model):
 
 
 def init_state(cfg: Config, params: dict | None = None) -> TrainState:
-    """Fresh state: float32 params (random from train.seed unless given), optimizer state, step 0."""
+    """`fresh_state` from train.seed on the default device."""
     key = jax.random.PRNGKey(cfg.train.seed)
     if params is None:
         params = _init_params_fn(cfg.model)(key)
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    opt_state = jax.jit(make_optimizer(cfg, params).init)(params)
-    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, key)
+    return jax.jit(fresh_state, static_argnums=0)(cfg, key, params)
 
 
 # ---------------------------------------------------------------------------------------------- forward + loss

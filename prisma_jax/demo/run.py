@@ -1,8 +1,8 @@
 """`prisma demo`: the whole system on a laptop CPU, end to end, with a calibration report.
 
     dataset (dataset.py) → tokenizer (processing.build_tokenizer) → for each arm:
-        `prisma train` (configs/demo.yaml) → trained params → Hugging Face safetensors → `prisma convert
-        hf-to-orbax` → `PrismaVL.from_pretrained` → `generate` on the held-out questions (greedy, per-token
+        `prisma train` (configs/demo.yaml) → `prisma convert train-to-hf` → `prisma convert hf-to-orbax`
+        → `PrismaVL.from_pretrained` → `generate` on the held-out questions (greedy, per-token
         codes and probabilities)
     → metrics (metrics.py) → metrics.json, report.md and plots (report.py)
 
@@ -71,6 +71,7 @@ def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_
     """One random init, written twice as a Hugging Face checkpoint: with a normal(0, 0.02) table (feedback)
     and with a zero table (no feedback). Both arms train from these (`train.init`)."""
     from prisma_jax.params import init_params_numpy
+    from train.export import write_hf
     params = init_params_numpy(model_cfg, seed, np.float32, uncertainty_init="normal")
     out = {}
     for arm in ARMS:
@@ -78,48 +79,8 @@ def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_
         if arm == "no_feedback":
             p = {**params, "uncertainty": {"embedding": np.zeros_like(params["uncertainty"]["embedding"])}}
         out[arm] = os.path.join(directory, f"init_{arm}")
-        write_hf(p, model_cfg, out[arm], tok_dir, eos_id, pad_id)
+        write_hf(p, model_cfg, out[arm], tok_dir, {"eos_token_id": eos_id, "pad_token_id": pad_id})
     return out
-
-
-def write_hf(params: dict, model_cfg, dst: str, tok_dir: str, eos_id: int, pad_id: int) -> None:
-    """A params pytree → a Hugging Face checkpoint directory (one safetensors file, config.json,
-    generation_config.json, tokenizer and processor files), through params.hf_names and safetensors_io."""
-    from prisma_jax.config import config_to_hf
-    from prisma_jax.params import get_path, hf_names
-    from prisma_jax.safetensors_io import write_file
-
-    os.makedirs(dst, exist_ok=True)
-
-    def tensors():
-        for n in hf_names(model_cfg):
-            x = np.asarray(get_path(params, n.path), np.float32)
-            yield n.hf, n.to_hf(x if n.index is None else x[n.index])
-    write_file(os.path.join(dst, "model.safetensors"), list(tensors()), metadata={"format": "pt"})
-    hf = config_to_hf(model_cfg)
-    hf.update({"eos_token_id": eos_id, "pad_token_id": pad_id, "dtype": "float32"})
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    with open(os.path.join(dst, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": eos_id, "pad_token_id": pad_id}, f, indent=2)
-    for name in os.listdir(tok_dir):
-        shutil.copy2(os.path.join(tok_dir, name), dst)
-
-
-def trained_params(workdir: str) -> dict:
-    """The params of the latest checkpoint `prisma train` left in `workdir` (NumPy)."""
-    import orbax.checkpoint as ocp
-    mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                                 item_names=("state", "data", "meta"))
-    try:
-        step = mngr.latest_step()
-        if step is None:
-            raise ValueError(f"{workdir}: no checkpoint (did training run?)")
-        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-    finally:
-        mngr.close()
-    import jax
-    return jax.tree.map(np.asarray, state["params"])
 
 
 def cli(argv: list[str]) -> None:
@@ -204,7 +165,6 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
              train_images: int = 3000, heldout_images: int = 200, questions_per_image: int = 2, seed: int = 0,
              progress_bar: bool = True, overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo; returns the flat metrics (also in `out/metrics.json`)."""
-    import jax
 
     from prisma_jax import PrismaVL
     from prisma_jax.processing import Processor
@@ -247,7 +207,8 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
             hf_dir = os.path.join(tmp, "checkpoints", f"{arm}_hf")
             orbax_dir = os.path.join(tmp, "checkpoints", f"{arm}_orbax")
             prog.stage(f"convert [{arm}]: trained params → {os.path.basename(hf_dir)} → prisma convert hf-to-orbax")
-            write_hf(trained_params(workdir), cfg.model, hf_dir, tok_dir, eos, pad)
+            cli(["convert", "train-to-hf", workdir, hf_dir, "--processor", tok_dir, "--eos-token-id", str(eos),
+                 "--pad-token-id", str(pad)])
             cli(["convert", "hf-to-orbax", hf_dir, orbax_dir])
             prog.stage(f"generate [{arm}]: {len(heldout)} held-out questions, greedy, batch {GEN_BATCH}")
             model = PrismaVL.from_pretrained(orbax_dir)
