@@ -165,7 +165,6 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
              train_images: int = 3000, heldout_images: int = 200, questions_per_image: int = 2, seed: int = 0,
              progress_bar: bool = True, overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo; returns the flat metrics (also in `out/metrics.json`)."""
-
     from prisma_jax import PrismaVL
     from prisma_jax.processing import Processor
     from train.config import load_train_config
