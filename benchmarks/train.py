@@ -8,7 +8,8 @@ Both sides: the same dimensions (Qwen3 text decoder, 8 × 512, V = 32,000, untie
 ahead-of-time memory comes from `compiled.memory_analysis()`. MFU = model FLOPs/s over the measured
 float32 matmul peak of this machine (the best of a JAX and a torch 2048² matmul loop, measured in the same
 run), with model FLOPs = 6·N_matmul·tokens + 12·L·S·H·hd·tokens (attention scores and values, as computed).
-Prints one Markdown table row per side and a JSON line.
+Prints one Markdown table row per side and a JSON line. Run it with jemalloc preloaded (docs/benchmarks.md,
+"This machine"): both sides then keep their large buffers mapped between steps.
 """
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ def bench_jax(cfg, steps, warmup):
     t = time.perf_counter()
     compiled = fn.lower(st, batch).compile()
     compile_s = time.perf_counter() - t
+    print(f"jax: compiled in {compile_s:.0f} s", file=sys.stderr, flush=True)
     mem = compiled.memory_analysis()
     for _ in range(warmup):
         st, m = compiled(st, next(it))
-    jax.block_until_ready(m)
+        jax.block_until_ready(m)
     times = []
     for _ in range(steps):
         b = next(it)
@@ -78,6 +80,7 @@ def bench_jax(cfg, steps, warmup):
         st, m = compiled(st, b)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
+        print(f"jax: step {len(times)} {times[-1]:.2f} s", file=sys.stderr, flush=True)
     return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["loss"]),
             "temp_bytes": int(mem.temp_size_in_bytes), "arg_bytes": int(mem.argument_size_in_bytes),
             "out_bytes": int(mem.output_size_in_bytes)}
@@ -116,6 +119,7 @@ def bench_torch(cfg, steps, warmup):
         t0 = time.perf_counter()
         loss = one()
         times.append(time.perf_counter() - t0)
+        print(f"torch: step {len(times)} {times[-1]:.2f} s", file=sys.stderr, flush=True)
     n = sum(p.numel() for p in model.parameters())
     return {"step_s": float(np.median(times)), "loss": loss, "params": n}
 
@@ -133,7 +137,8 @@ def main(argv=None):
     tokens = cfg.train.batch_size * cfg.train.seq_len
     flops = model_flops_per_step(cfg)
     peak = matmul_peak()
-    res = {"peak_gflops": peak / 1e9, "model_gflop_per_step": flops / 1e9, "tokens_per_step": tokens}
+    res = {"ld_preload": os.environ.get("LD_PRELOAD", ""), "peak_gflops": peak / 1e9,
+           "model_gflop_per_step": flops / 1e9, "tokens_per_step": tokens}
     res["jax"] = bench_jax(cfg, a.steps, a.warmup)
     if not a.skip_torch:
         res["torch"] = bench_torch(cfg, a.steps, a.warmup)

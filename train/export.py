@@ -25,10 +25,12 @@ def checkpoint_params(workdir: str, step: int | None = None) -> tuple[dict, Mode
     import jax
     import orbax.checkpoint as ocp
 
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    from .loop import CHECKPOINT_ITEMS, checkpoint_dir
+
+    directory = checkpoint_dir(workdir)
     if not os.path.isdir(directory):
         raise ValueError(f"{workdir}: no checkpoints/ directory (is this a `prisma train` --workdir?)")
-    mngr = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"))
+    mngr = ocp.CheckpointManager(directory, item_names=CHECKPOINT_ITEMS)
     try:
         steps = mngr.all_steps()
         if not steps:

@@ -38,12 +38,18 @@ class _Preempted:
         self.flag = True
 
 
+CHECKPOINT_ITEMS = ("state", "data", "meta")
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
 def _manager(cfg: Config, workdir: str) -> ocp.CheckpointManager:
     k = cfg.checkpoint
     opts = ocp.CheckpointManagerOptions(save_interval_steps=k.every, max_to_keep=k.keep,
                                         enable_async_checkpointing=k.asynchronous)
-    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"), options=opts,
-                                 item_names=("state", "data", "meta"))
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=opts, item_names=CHECKPOINT_ITEMS)
 
 
 def _diff(a: dict, b: dict, prefix="") -> list[str]:
