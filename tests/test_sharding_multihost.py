@@ -14,12 +14,6 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import sharding_worker as W  # noqa: E402
 
-# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
-# run with `pytest -m unverified` and see the issue notes for what remains.
-import pytest  # noqa: E402
-
-pytestmark = pytest.mark.unverified
-
 
 def _port() -> int:
     with socket.socket() as s:
@@ -45,25 +39,32 @@ def _two_processes(mode: str, d: str) -> list[dict]:
 
 
 def _reference():
-    """One process, one device: train/step.py's step on the same batch and initial params."""
+    """One process, one device: train/step.py's step on the same batch and initial params; also how far
+    that step moved the params."""
     from train.step import TrainBatch, init_state, make_train_step
 
     tcfg = W.tiny_train_cfg()
-    state, metrics = jax.jit(make_train_step(tcfg))(init_state(tcfg, W.host_params(tcfg)),
+    initial = W.host_params(tcfg)
+    state, metrics = jax.jit(make_train_step(tcfg))(init_state(tcfg, initial),
                                                     TrainBatch(*W.train_batch_np(tcfg.model)))
-    return float(metrics["loss"]), W.flat(state.params)
+    ref = W.flat(state.params)
+    moved = max(float(np.max(np.abs(ref[k] - v))) for k, v in W.flat(initial).items())
+    return float(metrics["loss"]), ref, moved
 
 
 def test_two_hosts_train_save_restore_match_one_process(tmp_path):
     d = str(tmp_path)
     trained = _two_processes("mh_train", d)
     restored = _two_processes("mh_restore", d)
-    loss, ref = _reference()
+    loss, ref, moved = _reference()
     assert abs(trained[0]["loss"] - loss) <= 1e-5 and trained[0]["loss"] == trained[1]["loss"]
     assert all(r["restored_specs_match"] for r in restored)
     after_train = np.load(os.path.join(d, "mh_train0.json.npz"))
     after_restore = np.load(os.path.join(d, "mh_restore0.json.npz"))
     assert set(after_train.files) == set(ref)
+    # Adam's first step is ≈ lr·sign(g): where |g| ≈ eps, the round-off of a different reduction order moves a
+    # weight by a visible fraction of lr, so the bound is relative to the update (as in test_sharding_mesh).
+    assert moved > 1e-4
     for k, v in ref.items():
-        np.testing.assert_allclose(after_train[k], v, atol=1e-5, rtol=0, err_msg=k)
+        assert np.max(np.abs(after_train[k] - v)) <= 0.05 * moved, k
         np.testing.assert_array_equal(after_restore[k], after_train[k], err_msg=k)

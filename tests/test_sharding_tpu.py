@@ -6,12 +6,6 @@ import os
 import subprocess
 import sys
 
-# Not in `make test` yet: never seen passing in the session that wrote it (machine overloaded);
-# run with `pytest -m unverified` and see the issue notes for what remains.
-import pytest  # noqa: E402
-
-pytestmark = pytest.mark.unverified
-
 HERE = os.path.dirname(__file__)
 
 
