@@ -158,7 +158,7 @@ def write_report(directory: str, summaries: dict, rows: dict, examples: dict, n_
         "*ECE*: expected calibration error over all held-out questions, 10 equal-width bins, "
         "where an answer is right when it equals the question's label (for ambiguous questions the label is "
         "one right answer drawn at random, so 1/k is the calibrated confidence).",
-        "- *corr(code, correct)*: Pearson correlation between the mean uncertainty code of the answer's tokens "
+        "- *corr(code, correct)*: Pearson correlation between the answer's code (the largest among its tokens) "
         "and correctness (negative: high codes go with wrong answers); *AUROC*: how well the code alone "
         "separates wrong answers from right ones (0.5 = not at all).",
         "",
