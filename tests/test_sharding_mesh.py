@@ -26,7 +26,7 @@ def res(tmp_path_factory):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = str(d / "mesh.json")
     p = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), "mesh", ckpt, out], env=env,
-                       capture_output=True, text=True, timeout=1500)
+                       capture_output=True, text=True, timeout=2700)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(out) as f:
         return json.load(f)

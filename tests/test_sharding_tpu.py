@@ -14,7 +14,7 @@ def test_tiny_decode_step_compiles_for_tpu_without_table_gathers(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     p = subprocess.run([sys.executable, os.path.join(HERE, "sharding_worker.py"), "tpu", out], env=env,
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(out) as f:
         r = json.load(f)
