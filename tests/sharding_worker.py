@@ -71,6 +71,11 @@ def flat(tree) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest |a − b| over every leaf of two `flat` trees."""
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
 # ------------------------------------------------------------------------------------------------ scenarios
 
 def scenario_mesh(ckpt: str, out: str) -> None:
@@ -121,8 +126,8 @@ def scenario_mesh(ckpt: str, out: str) -> None:
         s8, m8 = step(sharded_state(tcfg, mesh), sharded.put_batch(tb, mesh))
     res["train_loss_one"], res["train_loss_mesh"] = float(m1["loss"]), float(m8["loss"])
     p1, p8 = flat(s1.params), flat(s8.params)
-    res["train_param_max_diff"] = max(float(np.max(np.abs(p1[k] - p8[k]))) for k in p1)
-    res["train_param_moved"] = max(float(np.max(np.abs(p1[k] - v))) for k, v in flat(host_params(tcfg)).items())
+    res["train_param_max_diff"] = max_abs_diff(p1, p8)
+    res["train_param_moved"] = max_abs_diff(p1, flat(host_params(tcfg)))
 
     # the training loop with `train.mesh` (synthetic data, 3 steps, starting from CKPT: no random-init program
     # to compile) against the same loop on one device

@@ -48,7 +48,7 @@ def _reference():
     state, metrics = jax.jit(make_train_step(tcfg))(init_state(tcfg, initial),
                                                     TrainBatch(*W.train_batch_np(tcfg.model)))
     ref = W.flat(state.params)
-    moved = max(float(np.max(np.abs(ref[k] - v))) for k, v in W.flat(initial).items())
+    moved = W.max_abs_diff(ref, W.flat(initial))
     return float(metrics["loss"]), ref, moved
 
 
