@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import model as M
@@ -49,7 +48,7 @@ def plan_devices(p: Preset) -> list:
     # compiling needs no chip: let several planning processes load libtpu at once (no lockfile)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=p.topology, chip_config_name="default",
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=p.topology, chip_config_name=p.chip_config,
                                             chips_per_host_bounds=p.chips_per_host, num_slices=1)
     except Exception as e:   # libtpu missing or unusable: one clear line
         hint = "; install the TPU compiler with `pip install -e .[tpu]`" if "libtpu" not in str(e) else ""
@@ -114,20 +113,26 @@ def train_config(path: str, batch: int | None, seq: int | None, overrides=()):
     return config_from_raw(raw)
 
 
+def abstract_train_state(tcfg, mesh: Mesh):
+    """The training state as sharded `ShapeDtypeStruct`s: float32 master weights, AdamW state sharded like
+    the params, replicated step and RNG."""
+    from train.step import TrainState, make_optimizer
+
+    rep = NamedSharding(mesh, P())
+    params = abstract_sharded_params(tcfg.model, mesh, jnp.float32)
+    opt_shapes = jax.eval_shape(make_optimizer(tcfg, params).init, params)
+    opt_sh = opt_state_shardings(opt_shapes, param_shardings(tcfg.model, mesh), mesh)
+    opt_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
+    return TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), params, opt_abs,
+                      jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+
+
 def lower_train(tcfg, mesh: Mesh):
     """train/step.py's training step lowered on `mesh`: float32 master weights and AdamW state sharded like the
     params, the batch `[A, b, S]` over the batch axes, the state donated."""
-    from train.step import TrainBatch, TrainState, make_optimizer, make_train_step
+    from train.step import TrainBatch, make_train_step
 
-    cfg = tcfg.model
-    rep = NamedSharding(mesh, P())
-    params = abstract_sharded_params(cfg, mesh, jnp.float32)
-    opt = make_optimizer(tcfg, params)
-    opt_shapes = jax.eval_shape(opt.init, params)
-    opt_sh = opt_state_shardings(opt_shapes, param_shardings(cfg, mesh), mesh)
-    opt_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
-    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), params, opt_abs,
-                       jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+    state = abstract_train_state(tcfg, mesh)
     a = tcfg.train.grad_accum
     b, s = tcfg.train.batch_size // a, tcfg.train.seq_len
     row = (None, "batch", None)
@@ -135,7 +140,8 @@ def lower_train(tcfg, mesh: Mesh):
                        _sds((a, b, s), jnp.int32, mesh, row), _sds((a, 3, b, s), jnp.int32, mesh, (None, None, "batch", None)),
                        _sds((a, b, s), jnp.int32, mesh, row))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    fn = jax.jit(make_train_step(tcfg, params), donate_argnums=0, out_shardings=(state_sh, rep))
+    fn = jax.jit(make_train_step(tcfg, state.params), donate_argnums=0,
+                 out_shardings=(state_sh, NamedSharding(mesh, P())))
     with jax.set_mesh(mesh):
         return fn.lower(state, batch)
 
@@ -223,15 +229,31 @@ def _mesh_str(mesh: Mesh) -> str:
     return " ".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
+_OOM = re.compile(r"Ran out of memory.*?required for (.*?) \(([0-9.]+)([KMGT]?)\) exceeds available HBM \(([0-9.]+)([KMGT]?)\)")
+
+
+def compiler_oom(e: Exception) -> str | None:
+    """The TPU compiler's own "does not fit" (it refuses to compile a program larger than HBM), else None."""
+    m = _OOM.search(str(e))
+    return None if m is None else f"{m.group(1)} need {m.group(2)} {m.group(3)}iB > HBM {m.group(4)} {m.group(5)}iB"
+
+
 def plan_train(tcfg, p: Preset, devices) -> dict:
     mesh = make_mesh(p.train, devices)
-    t0 = time.time()
-    compiled = lower_train(tcfg, mesh).compile()
-    mem = memory(compiled)
     tr = tcfg.train
-    return {"mesh": _mesh_str(mesh), "batch": tr.batch_size, "seq": tr.seq_len, "memory": mem,
-            "fits": None if p.hbm_gib is None else mem.total <= p.hbm_gib * GiB, "seconds": time.time() - t0,
-            "flops": train_flops(tcfg.model, tr.batch_size, tr.seq_len, tr.introspection_passes)}
+    out = {"mesh": _mesh_str(mesh), "batch": tr.batch_size, "seq": tr.seq_len,
+           "flops": train_flops(tcfg.model, tr.batch_size, tr.seq_len, tr.introspection_passes)}
+    t0 = time.time()
+    try:
+        compiled = lower_train(tcfg, mesh).compile()
+    except Exception as e:     # the TPU compiler refuses what cannot fit: that is the answer, not an error
+        oom = compiler_oom(e)
+        if oom is None:
+            raise
+        return {**out, "memory": None, "oom": oom, "fits": False, "seconds": time.time() - t0}
+    mem = memory(compiled)
+    return {**out, "memory": mem, "fits": None if p.hbm_gib is None else mem.total <= p.hbm_gib * GiB,
+            "seconds": time.time() - t0}
 
 
 def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int, dtype="bfloat16") -> dict:
@@ -254,12 +276,24 @@ def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int
     return out
 
 
-def search_train_batch(make_cfg, p: Preset, devices, seq: int) -> tuple[int, dict | None]:
+def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 512) -> tuple[int, dict]:
     """Largest global batch (a multiple of the batch shards) whose training step fits at `seq`: two compiles
-    fix the affine memory model, a third checks its prediction (stepping down while it does not fit)."""
+    fix the affine memory model, a third checks its prediction (stepping down while it does not fit). When
+    not even one row per batch shard fits, the sequence is halved (down to `min_seq`) until it does: the
+    result's `seq` says which length was planned. Returns (batch, result of the largest fitting compile, or
+    of the last one tried when nothing fits)."""
     mesh = make_mesh(p.train, devices)
     unit = mesh.shape["data"] * mesh.shape["fsdp"]
-    r1 = plan_train(make_cfg(unit, seq), p, devices)
+    cfg = make_cfg(unit, seq)
+    state = bytes_per_device(abstract_train_state(cfg, mesh))
+    if p.hbm_gib is not None and state > p.hbm_gib * GiB:     # no compile can fit: say why without one
+        return 0, {"mesh": _mesh_str(mesh), "batch": unit, "seq": seq, "memory": None, "fits": False, "seconds": 0.0,
+                   "oom": f"the float32 weights + AdamW state alone are {_gib(state)} a device",
+                   "flops": train_flops(cfg.model, unit, seq, cfg.train.introspection_passes)}
+    r1 = plan_train(cfg, p, devices)
+    while not r1["fits"] and seq // 2 >= min_seq:
+        seq //= 2
+        r1 = plan_train(make_cfg(unit, seq), p, devices)
     if not r1["fits"]:
         return 0, r1
     r2 = plan_train(make_cfg(2 * unit, seq), p, devices)
@@ -287,7 +321,8 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
              f"introspection passes {tr.introspection_passes}); params + AdamW float32, compute {tr.compute_dtype}, "
              f"remat {tr.remat}",
              f"  per device: arguments {_gib(m.arguments)}, outputs {_gib(m.outputs)} (aliased {_gib(m.aliased)}), "
-             f"temporaries {_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}",
+             f"temporaries {_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}" if m is not None else
+             f"  per device: the TPU compiler refused it ({r['oom']}){verdict}",
              f"  FLOPs/step: 6·N·tokens {f['6N_tokens']:.3e} + attention {f['attention']:.3e} + introspection "
              f"{f['introspection']:.3e} = {f['total']:.3e} ({f['total'] / p.n_devices:.3e} per device)"]
     chip = (p.topology or "").split(":")[0]
@@ -326,7 +361,12 @@ def run(args) -> int:
         best, r = search_train_batch(lambda b, s: train_config(args.config, b, s, args.set), p, devices,
                                      tcfg.train.seq_len)
         print(format_train(r, p, train_config(args.config, r["batch"], r["seq"], args.set)))
-        print(f"  largest batch that fits at seq {tcfg.train.seq_len}: {best}")
+        if best and r["seq"] == tcfg.train.seq_len:
+            print(f"  largest batch that fits at seq {r['seq']}: {best}")
+        elif best:
+            print(f"  nothing fits at seq {tcfg.train.seq_len}; largest that fits: batch {best} × seq {r['seq']}")
+        else:
+            print(f"  nothing fits, even one row per batch shard at seq {r['seq']}")
     elif not args.no_train:
         print(format_train(plan_train(tcfg, p, devices), p, tcfg))
     gen_mesh = make_mesh(p.generate, devices)

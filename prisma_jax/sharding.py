@@ -153,6 +153,7 @@ class Preset:
     chips_per_host: tuple[int, int, int] | None
     train: MeshSpec
     generate: MeshSpec
+    chip_config: str = "default"    # `get_topology_desc` chip config: v4 pods run "megacore" (2 cores, 1 device)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
@@ -160,7 +161,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("v5e-8", 8, 16, "v5e:2x4", (2, 4, 1), MeshSpec(1, 8, 1), MeshSpec(1, 1, 8)),
     Preset("v5e-16", 16, 16, "v5e:4x4", (2, 2, 1), MeshSpec(1, 16, 1), MeshSpec(2, 1, 8)),
     Preset("v5p-8", 4, 95, "v5p:2x2x1", (2, 2, 1), MeshSpec(1, 4, 1), MeshSpec(1, 1, 4)),
-    Preset("v4-32", 16, 32, "v4:2x2x4", (2, 2, 1), MeshSpec(1, 16, 1), MeshSpec(2, 1, 8)),
+    Preset("v4-32", 16, 32, "v4:2x2x4", (2, 2, 1), MeshSpec(1, 16, 1), MeshSpec(2, 1, 8), "megacore"),
     Preset("v5p-64", 32, 95, "v5p:4x4x2", (2, 2, 1), MeshSpec(2, 16, 1), MeshSpec(4, 1, 8)),
 )}
 

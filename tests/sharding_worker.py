@@ -191,9 +191,10 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
 def scenario_tpu(out: str) -> None:
     from prisma_jax.config import load_config
     from prisma_jax.plan import all_gathers, forbidden_gathers, lower_decode, memory, plan_devices
-    from prisma_jax.sharding import make_mesh, preset
+    from prisma_jax.sharding import PRESETS, make_mesh, preset
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
+    topology_devices = {q.name: len(plan_devices(q)) for q in PRESETS.values() if q.topology}
     p = preset("v5p-8")
     devices = plan_devices(p)
     mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2}, devices)
@@ -203,7 +204,7 @@ def scenario_tpu(out: str) -> None:
     res = {"platform": devices[0].platform, "n_devices": len(devices), "memory_total": m.total,
            "arguments": m.arguments, "gathers": [[d, list(s)] for d, s in all_gathers(hlo)],
            "forbidden": [[d, list(s)] for d, s in forbidden_gathers(hlo, cfg, 4)],
-           "hlo_has_tpu_layout": ":T(" in hlo}
+           "hlo_has_tpu_layout": ":T(" in hlo, "topology_devices": topology_devices}
     with open(out, "w") as f:
         json.dump(res, f)
 

@@ -108,3 +108,51 @@ def test_plan_rejects_unknown_preset(capsys):
     assert main(["plan", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--mesh", "v9-9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown mesh preset 'v9-9'" in err[0]
+
+
+def test_plan_reads_the_tpu_compilers_refusal():
+    from prisma_jax.plan import compiler_oom
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (21.39G) "
+           "exceeds available HBM (15.75G).")
+    assert compiler_oom(RuntimeError(msg)) == "HLO temporaries need 21.39 GiB > HBM 15.75 GiB"
+    assert compiler_oom(RuntimeError("INTERNAL: something else")) is None
+
+
+@pytest.mark.parametrize("hbm, seq, want, calls", [
+    (6, 4096, (1, 2048), [(1, 4096), (1, 2048), (2, 2048)]),     # nothing at 4096: halve until one row fits
+    (20, 1024, (9, 1024), [(1, 1024), (2, 1024), (9, 1024)]),    # two compiles fix the line, a third checks it
+    (5, 1024, (1, 1024), [(1, 1024), (2, 1024)]),                # two rows do not fit: one
+    (2.5, 1024, (0, 512), [(1, 1024), (1, 512)]),                # nothing fits down to the shortest length
+])
+def test_plan_search_over_batch_then_sequence(monkeypatch, hbm, seq, want, calls):
+    """`search_train_batch` against a stand-in compiler whose memory is 2 GiB + 1 GiB per 512 tokens and
+    which refuses (like libtpu) any program larger than HBM."""
+    import jax
+    from prisma_jax import plan
+    from prisma_jax.sharding import Preset
+    seen = []
+
+    def fake_plan_train(tcfg, p, devices):
+        b, s = tcfg.train.batch_size, tcfg.train.seq_len
+        seen.append((b, s))
+        total = 2 * plan.GiB + b * s * plan.GiB // 512
+        if total > p.hbm_gib * plan.GiB:
+            return {"batch": b, "seq": s, "memory": None, "fits": False, "oom": "refused"}
+        return {"batch": b, "seq": s, "memory": plan.Memory(total, 0, 0, 0, 0), "fits": True}
+
+    monkeypatch.setattr(plan, "plan_train", fake_plan_train)
+    p = Preset("fake-1", 1, hbm, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
+    best, r = plan.search_train_batch(lambda b, s: plan.train_config(os.path.join(ROOT, "configs", "tiny.yaml"), b, s),
+                                      p, jax.devices()[:1], seq)
+    assert (best, r["seq"]) == want and seen == calls
+
+
+def test_plan_search_stops_when_the_state_alone_exceeds_hbm(monkeypatch):
+    import jax
+    from prisma_jax import plan
+    from prisma_jax.sharding import Preset
+    monkeypatch.setattr(plan, "plan_train", lambda *a: pytest.fail("no compile should be needed"))
+    p = Preset("fake-1", 1, 1e-6, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
+    best, r = plan.search_train_batch(lambda b, s: plan.train_config(os.path.join(ROOT, "configs", "tiny.yaml"), b, s),
+                                      p, jax.devices()[:1], 64)
+    assert best == 0 and not r["fits"] and "weights + AdamW state alone" in r["oom"]

@@ -20,4 +20,7 @@ def test_tiny_decode_step_compiles_for_tpu_without_table_gathers(tmp_path):
         r = json.load(f)
     assert r["platform"] == "tpu" and r["n_devices"] == 4 and r["hlo_has_tpu_layout"]
     assert r["forbidden"] == []
+    # every TPU preset's abstract topology has the preset's device count (v4: megacore chips, one device each)
+    from prisma_jax.sharding import PRESETS
+    assert r["topology_devices"] == {p.name: p.n_devices for p in PRESETS.values() if p.topology}
     assert r["arguments"] > 0 and r["memory_total"] >= r["arguments"]
