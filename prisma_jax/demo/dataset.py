@@ -24,7 +24,10 @@ import numpy as np
 GRID = 2
 CELL = 32
 IMAGE_SIZE = GRID * CELL
-BACKGROUND = (235, 235, 235)
+# mid-grey: 0 after the Qwen image normalisation (mean = std = 0.5), so background pixels feed the
+# from-scratch vision tower nothing. On a light-grey background every patch is a large constant input, and
+# the tower learned no colour at any learning rate that was stable (README, demo section).
+BACKGROUND = (128, 128, 128)
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 40)}
 SHAPES = ("circle", "square", "triangle")
 PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles"}
