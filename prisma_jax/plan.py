@@ -250,7 +250,8 @@ def plan_train(tcfg, p: Preset, devices) -> dict:
         oom = compiler_oom(e)
         if oom is None:
             raise
-        return {**out, "memory": None, "oom": oom, "fits": False, "seconds": time.time() - t0}
+        return {**out, "memory": None, "oom": f"the TPU compiler refused it ({oom})", "fits": False,
+                "seconds": time.time() - t0}
     mem = memory(compiled)
     return {**out, "memory": mem, "fits": None if p.hbm_gib is None else mem.total <= p.hbm_gib * GiB,
             "seconds": time.time() - t0}
@@ -322,7 +323,7 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
              f"remat {tr.remat}",
              f"  per device: arguments {_gib(m.arguments)}, outputs {_gib(m.outputs)} (aliased {_gib(m.aliased)}), "
              f"temporaries {_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}" if m is not None else
-             f"  per device: the TPU compiler refused it ({r['oom']}){verdict}",
+             f"  per device: {r['oom']}{verdict}",
              f"  FLOPs/step: 6·N·tokens {f['6N_tokens']:.3e} + attention {f['attention']:.3e} + introspection "
              f"{f['introspection']:.3e} = {f['total']:.3e} ({f['total'] / p.n_devices:.3e} per device)"]
     chip = (p.topology or "").split(":")[0]

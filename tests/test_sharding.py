@@ -153,6 +153,8 @@ def test_plan_search_stops_when_the_state_alone_exceeds_hbm(monkeypatch):
     from prisma_jax.sharding import Preset
     monkeypatch.setattr(plan, "plan_train", lambda *a: pytest.fail("no compile should be needed"))
     p = Preset("fake-1", 1, 1e-6, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
-    best, r = plan.search_train_batch(lambda b, s: plan.train_config(os.path.join(ROOT, "configs", "tiny.yaml"), b, s),
-                                      p, jax.devices()[:1], 64)
+    make = lambda b, s: plan.train_config(os.path.join(ROOT, "configs", "tiny.yaml"), b, s)   # noqa: E731
+    best, r = plan.search_train_batch(make, p, jax.devices()[:1], 64)
     assert best == 0 and not r["fits"] and "weights + AdamW state alone" in r["oom"]
+    text = plan.format_train(r, p, make(1, 64))
+    assert "weights + AdamW state alone" in text and "DOES NOT FIT" in text
