@@ -136,23 +136,23 @@ def hf_runner(hf, ids):
     return run
 
 
-def measure(runners: dict, new: int, repeats: int) -> dict:
-    """{name: {"first_s", "best_run_s", "best_step_s"}}: the best whole run (prefill + new − 1 decode steps) and
-    the best decode-only step time, (decode s − one-step decode s) / (new − 2), which leaves out what a
+def measure(runners: dict, new: dict, repeats: int) -> dict:
+    """{name: {"first_s", "best_run_s", "best_step_s"}}: the best whole run (prefill + n − 1 decode steps, with
+    n = new[name] tokens) and the best decode-only step time, (decode s − one-step decode s) / (n − 2), which leaves out what a
     decode call costs once (for prisma-jax: entering the compiled loop). The variants take turns, round after
     round, so that all of them see the same machine (this VM's memory speed varies 10× from second to second:
     docs/benchmarks.md); the best of `repeats` rounds is kept."""
     out = {}
     for k, r in runners.items():
         t = time.perf_counter()
-        r(new)                                           # compiles (prisma-jax) / warms up (transformers)
+        r(new[k])                                        # compiles (prisma-jax) / warms up (transformers)
         out[k] = {"first_s": time.perf_counter() - t, "best_run_s": float("inf"), "best_step_s": float("inf")}
     for i in range(repeats):
         print(f"  round {i + 1}/{repeats}", flush=True)
         for k, r in runners.items():
-            pre, dec, one = r(new)
+            pre, dec, one = r(new[k])
             out[k]["best_run_s"] = min(out[k]["best_run_s"], pre + dec)
-            out[k]["best_step_s"] = min(out[k]["best_step_s"], max(dec - one, 1e-9) / (new - 2))
+            out[k]["best_step_s"] = min(out[k]["best_step_s"], max(dec - one, 1e-9) / (new[k] - 2))
     return out
 
 
@@ -204,17 +204,16 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     for b in args.batches:
         ids = rng.integers(0, 150000 if not args.quick else 30000, (b, args.prompt))
-        bf16_run = prisma_runner(bf16, ids)        # XLA:CPU bf16 dots are slow (header line): fewer steps
         runners = {"prisma": prisma_runner(model, ids), "off": prisma_runner(model, ids, introspection=False),
-                   "bf16": lambda new: bf16_run(min(new, args.bf16_new))}
+                   "bf16": prisma_runner(bf16, ids)}
         if hf is not None:
             runners["hf"] = hf_runner(hf, ids)
-        t = measure(runners, args.new, args.repeats)
+        news = {k: min(args.new, args.bf16_new) if k == "bf16" else args.new for k in runners}
+        t = measure(runners, news, args.repeats)
         row = {"B": b, "compile_s": t["prisma"]["first_s"] - t["prisma"]["best_run_s"]}
         for k, v in t.items():
             row[k] = v
-            n = min(args.new, args.bf16_new) if k == "bf16" else args.new
-            row[f"{k}_tok_s"] = b * n / v["best_run_s"]                    # prefill included, like `generate`
+            row[f"{k}_tok_s"] = b * news[k] / v["best_run_s"]             # prefill included, like `generate`
             row[f"{k}_step_tok_s"] = b / v["best_step_s"]
         row["mechanism_overhead_pct"] = 100 * (t["prisma"]["best_step_s"] / t["off"]["best_step_s"] - 1)
         row["loadavg"] = os.getloadavg()[0]
