@@ -238,11 +238,16 @@ def compiler_oom(e: Exception) -> str | None:
     return None if m is None else f"{m.group(1)} need {m.group(2)} {m.group(3)}iB > HBM {m.group(4)} {m.group(5)}iB"
 
 
+def _train_plan_head(tcfg, mesh: Mesh) -> dict:
+    """What every training-plan result names, compiled or not: mesh, batch, sequence and analytic FLOPs."""
+    tr = tcfg.train
+    return {"mesh": _mesh_str(mesh), "batch": tr.batch_size, "seq": tr.seq_len,
+            "flops": train_flops(tcfg.model, tr.batch_size, tr.seq_len, tr.introspection_passes)}
+
+
 def plan_train(tcfg, p: Preset, devices) -> dict:
     mesh = make_mesh(p.train, devices)
-    tr = tcfg.train
-    out = {"mesh": _mesh_str(mesh), "batch": tr.batch_size, "seq": tr.seq_len,
-           "flops": train_flops(tcfg.model, tr.batch_size, tr.seq_len, tr.introspection_passes)}
+    out = _train_plan_head(tcfg, mesh)
     t0 = time.time()
     try:
         compiled = lower_train(tcfg, mesh).compile()
@@ -288,9 +293,8 @@ def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 51
     cfg = make_cfg(unit, seq)
     state = bytes_per_device(abstract_train_state(cfg, mesh))
     if p.hbm_gib is not None and state > p.hbm_gib * GiB:     # no compile can fit: say why without one
-        return 0, {"mesh": _mesh_str(mesh), "batch": unit, "seq": seq, "memory": None, "fits": False, "seconds": 0.0,
-                   "oom": f"the float32 weights + AdamW state alone are {_gib(state)} a device",
-                   "flops": train_flops(cfg.model, unit, seq, cfg.train.introspection_passes)}
+        return 0, {**_train_plan_head(cfg, mesh), "memory": None, "fits": False, "seconds": 0.0,
+                   "oom": f"the float32 weights + AdamW state alone are {_gib(state)} a device"}
     r1 = plan_train(cfg, p, devices)
     while not r1["fits"] and seq // 2 >= min_seq:
         seq //= 2

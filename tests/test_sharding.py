@@ -118,6 +118,11 @@ def test_plan_reads_the_tpu_compilers_refusal():
     assert compiler_oom(RuntimeError("INTERNAL: something else")) is None
 
 
+def _tiny_train_config(batch, seq):
+    from prisma_jax.plan import train_config
+    return train_config(os.path.join(ROOT, "configs", "tiny.yaml"), batch, seq)
+
+
 @pytest.mark.parametrize("hbm, seq, want, calls", [
     (6, 4096, (1, 2048), [(1, 4096), (1, 2048), (2, 2048)]),     # nothing at 4096: halve until one row fits
     (20, 1024, (9, 1024), [(1, 1024), (2, 1024), (9, 1024)]),    # two compiles fix the line, a third checks it
@@ -142,8 +147,7 @@ def test_plan_search_over_batch_then_sequence(monkeypatch, hbm, seq, want, calls
 
     monkeypatch.setattr(plan, "plan_train", fake_plan_train)
     p = Preset("fake-1", 1, hbm, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
-    best, r = plan.search_train_batch(lambda b, s: plan.train_config(os.path.join(ROOT, "configs", "tiny.yaml"), b, s),
-                                      p, jax.devices()[:1], seq)
+    best, r = plan.search_train_batch(_tiny_train_config, p, jax.devices()[:1], seq)
     assert (best, r["seq"]) == want and seen == calls
 
 
@@ -153,8 +157,7 @@ def test_plan_search_stops_when_the_state_alone_exceeds_hbm(monkeypatch):
     from prisma_jax.sharding import Preset
     monkeypatch.setattr(plan, "plan_train", lambda *a: pytest.fail("no compile should be needed"))
     p = Preset("fake-1", 1, 1e-6, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
-    make = lambda b, s: plan.train_config(os.path.join(ROOT, "configs", "tiny.yaml"), b, s)   # noqa: E731
-    best, r = plan.search_train_batch(make, p, jax.devices()[:1], 64)
+    best, r = plan.search_train_batch(_tiny_train_config, p, jax.devices()[:1], 64)
     assert best == 0 and not r["fits"] and "weights + AdamW state alone" in r["oom"]
-    text = plan.format_train(r, p, make(1, 64))
+    text = plan.format_train(r, p, _tiny_train_config(1, 64))
     assert "weights + AdamW state alone" in text and "DOES NOT FIT" in text
