@@ -16,7 +16,10 @@ Python bookkeeping). Reported per batch size:
   in fp32 and bf16 matrix-vector products;
 * tokens/s of the best whole run (prefill + all steps), both sides;
 * first-call compile time (first run − best run);
-* mechanism cost: the same loop with `introspection=False` (no injection, no entropy);
+* mechanism cost, two ways: the same loop with `introspection=False` (no injection, no entropy) — the median
+  over rounds of each round's on/off step-time ratio, since rounds seconds apart differ by more than the
+  mechanism costs; and the mechanism's own operations timed alone at the run's shapes (the entropy and code of
+  `[B, V]` logits, the table row gathered and added for B tokens; best of 200 calls) as a share of the step;
 * bf16 weights.
 
 Prints a Markdown table (paste into docs/benchmarks.md) and one JSON line.
@@ -136,23 +139,50 @@ def hf_runner(hf, ids):
     return run
 
 
+def mechanism_ops_s(cfg, params, b: int, calls: int = 200) -> float:
+    """Best time of the mechanism's own per-step work at batch b, jitted alone: the entropy and uint16 code of
+    `[b, V]` float32 logits (uncertainty.py, §2) plus the table rows gathered and added to `[b, 1, D]` token
+    embeddings (§3, `inject`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from prisma_jax.uncertainty import codes_from_logits, inject
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(b, cfg.text.vocab_size)).astype(np.float32) * 3)
+    emb = jnp.asarray(rng.normal(size=(b, 1, cfg.text.hidden_size)).astype(np.float32))
+    ids = jnp.asarray(rng.integers(0, 1000, (b, 1)), jnp.int32)
+    codes = jnp.asarray(rng.integers(0, cfg.n_levels, (b, 1)), jnp.int32)
+    table = params["uncertainty"]["embedding"]
+
+    @jax.jit
+    def f(logits, emb, table, ids, codes):
+        return codes_from_logits(logits, cfg.n_bits), inject(emb, table, ids, codes, (cfg.image_token_id,))
+    jax.block_until_ready(f(logits, emb, table, ids, codes))
+    best = float("inf")
+    for _ in range(calls):
+        best = min(best, _timed(lambda: jax.block_until_ready(f(logits, emb, table, ids, codes))))
+    return best
+
+
 def measure(runners: dict, new: dict, repeats: int) -> dict:
     """{name: {"first_s", "best_run_s", "best_step_s"}}: the best whole run (prefill + n − 1 decode steps, with
     n = new[name] tokens) and the best decode-only step time, (decode s − one-step decode s) / (n − 2), which leaves out what a
     decode call costs once (for prisma-jax: entering the compiled loop). The variants take turns, round after
     round, so that all of them see the same machine (this VM's memory speed varies 10× from second to second:
-    docs/benchmarks.md); the best of `repeats` rounds is kept."""
+    docs/benchmarks.md); the best of `repeats` rounds is kept, and every round's step time in "step_s"."""
     out = {}
     for k, r in runners.items():
         t = time.perf_counter()
         r(new[k])                                        # compiles (prisma-jax) / warms up (transformers)
-        out[k] = {"first_s": time.perf_counter() - t, "best_run_s": float("inf"), "best_step_s": float("inf")}
+        out[k] = {"first_s": time.perf_counter() - t, "best_run_s": float("inf"), "best_step_s": float("inf"),
+                  "step_s": []}
     for i in range(repeats):
         print(f"  round {i + 1}/{repeats}", flush=True)
         for k, r in runners.items():
             pre, dec, one = r(new[k])
             out[k]["best_run_s"] = min(out[k]["best_run_s"], pre + dec)
-            out[k]["best_step_s"] = min(out[k]["best_step_s"], max(dec - one, 1e-9) / (new[k] - 2))
+            out[k]["step_s"].append(max(dec - one, 1e-9) / (new[k] - 2))
+            out[k]["best_step_s"] = min(out[k]["best_step_s"], out[k]["step_s"][-1])
     return out
 
 
@@ -215,15 +245,20 @@ def main(argv=None) -> int:
             row[k] = v
             row[f"{k}_tok_s"] = b * news[k] / v["best_run_s"]             # prefill included, like `generate`
             row[f"{k}_step_tok_s"] = b / v["best_step_s"]
-        row["mechanism_overhead_pct"] = 100 * (t["prisma"]["best_step_s"] / t["off"]["best_step_s"] - 1)
+        ratios = [a / o for a, o in zip(t["prisma"]["step_s"], t["off"]["step_s"])]
+        row["mechanism_overhead_pct"] = 100 * (float(np.median(ratios)) - 1)
+        row["mechanism_overhead_pct_rounds"] = [100 * (r - 1) for r in ratios]
+        row["mechanism_ops_ms"] = 1e3 * mechanism_ops_s(cfg, model.params, b)
+        row["mechanism_ops_pct"] = 100 * row["mechanism_ops_ms"] / 1e3 / t["prisma"]["best_step_s"]
         row["loadavg"] = os.getloadavg()[0]
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
 
     print("\n| B | prisma fp32 decode tok/s | transformers fp32 decode tok/s | ratio | fp32 roofline tok/s | "
-          "whole run tok/s prisma / transformers | compile s | mechanism off decode tok/s | overhead | "
+          "whole run tok/s prisma / transformers | compile s | mechanism off decode tok/s | overhead (median of rounds) | "
+          "mechanism ops alone | "
           "bf16 decode tok/s (bf16 / fp32) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in info["rows"]:
         b = r["B"]
         has_hf = "hf" in r
@@ -232,6 +267,7 @@ def main(argv=None) -> int:
         whole = f"{r['prisma_tok_s']:.1f} / {r['hf_tok_s']:.1f}" if has_hf else f"{r['prisma_tok_s']:.1f} / –"
         print(f"| {b} | {r['prisma_step_tok_s']:.1f} | {hf_s} | {ratio} | {roofline * b:.1f} | {whole} | "
               f"{r['compile_s']:.1f} | {r['off_step_tok_s']:.1f} | {r['mechanism_overhead_pct']:+.1f} % | "
+              f"{r['mechanism_ops_ms']:.3f} ms ({r['mechanism_ops_pct']:.2f} %) | "
               f"{r['bf16_step_tok_s']:.1f} ({r['bf16_step_tok_s'] / r['prisma_step_tok_s']:.2f}×) |")
     print(f"\n(decode tok/s = B ÷ the best decode-only step time over {args.repeats} rounds; roofline at B = B × read "
           f"bandwidth ÷ weight bytes per step; whole run = prefill + {args.new - 1} steps, best round)")
