@@ -17,6 +17,9 @@ def _oracle(scene, q):
         return "answerable", {str(len([o for o in scene if o["shape"] == q["shape"]]))}
     if t == "count_color":
         return "answerable", {str(len([o for o in scene if o["color"] == q["color"]]))}
+    if t == "what":
+        here = [f'{o["color"]} {o["shape"]}' for o in scene if o["row"] == q["row"] and o["col"] == q["col"]]
+        return "answerable", set(here) if here else {"nothing"}
     if t == "color":
         found = {o["color"] for o in scene if o["shape"] == q["shape"]}
     elif t == "shape":
@@ -119,6 +122,17 @@ def test_every_kind_and_question_type_occurs(tmp_path):
     assert {r["kind"] for r in held} == set(D.KINDS)
     assert {r["type"] for r in held} == set(D.QUESTION_TYPES)
     assert sum(r["kind"] == "answerable" for r in held) > len(held) / 2
+
+
+def test_probe_type_what_matches_the_oracle():
+    rng = np.random.default_rng(3)
+    vocab = set(D.VOCABULARY) | set(D.PROBE_WORDS)
+    for _ in range(50):
+        scene = D.random_scene(rng)
+        for q in D._candidates("what"):
+            kind, right = D.answers(scene, q)
+            assert (kind, set(right)) == _oracle(scene, q)
+            assert set(D.question_text(q).split()) <= vocab and set(right[0].split()) <= vocab
 
 
 def test_vocabulary_covers_every_question_and_answer(built):

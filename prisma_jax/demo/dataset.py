@@ -36,6 +36,11 @@ COLS = ("left", "right")
 UNKNOWN = "unknown"
 KINDS = ("answerable", "unanswerable", "ambiguous")
 QUESTION_TYPES = ("color", "shape", "count_shape", "count_color", "where", "left_of", "above")
+# A diagnostic type that `prisma demo` does not ask (benchmarks/demo_probe.py --types what): "what is at the top
+# left ?" → "red circle" or "nothing". Its words are outside VOCABULARY, so the demo's tokenizer stays as it is.
+PROBE_TYPES = ("what",)
+NOTHING = "nothing"
+PROBE_WORDS = ("at", NOTHING)
 
 # Every word the task can produce (questions and answers), in a fixed order: the tokenizer built from it
 # (prisma_jax.processing.build_tokenizer adds the special tokens and chat roles) never changes.
@@ -103,6 +108,8 @@ def question_text(q: dict) -> str:
         return f"is the {q['shape']} left of the {q['other']} ?"
     if t == "above":
         return f"is the {q['shape']} above the {q['other']} ?"
+    if t == "what":
+        return f"what is at the {ROWS[q['row']]} {COLS[q['col']]} ?"
     raise ValueError(f"unknown question type {t!r}")
 
 
@@ -121,6 +128,9 @@ def answers(scene: list[dict], q: dict) -> tuple[str, list[str]]:
         if not values:
             return "unanswerable", [UNKNOWN]
         return ("answerable" if len(values) == 1 else "ambiguous"), sorted(values)
+    if t == "what":
+        here = [f"{o['color']} {o['shape']}" for o in scene if (o["row"], o["col"]) == (q["row"], q["col"])]
+        return "answerable", here or [NOTHING]
     if t in ("left_of", "above"):
         a = [o for o in scene if o["shape"] == q["shape"]]
         b = [o for o in scene if o["shape"] == q["other"]]
@@ -139,6 +149,8 @@ def _candidates(t: str) -> list[dict]:
         return [{"type": t, "color": c} for c in COLORS]
     if t == "where":
         return [{"type": t, "color": c, "shape": s} for c in COLORS for s in SHAPES]
+    if t == "what":
+        return [{"type": t, "row": r, "col": c} for r in range(GRID) for c in range(GRID)]
     return [{"type": t, "shape": s, "other": o} for s in SHAPES for o in SHAPES if s != o]
 
 
