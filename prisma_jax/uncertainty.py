@@ -28,6 +28,12 @@ NONE = -1  # "no injection"
 
 def entropy(logits: jax.Array) -> jax.Array:
     """H(z) = logsumexp(z) − Σ softmax(z)·z in float32 nats; −inf logits contribute nothing. [..., V] → [...]."""
+    return entropy_parts(logits)[0]
+
+
+def entropy_parts(logits: jax.Array):
+    """`entropy` and the pieces it is made of, for callers that need the softmax too (the training loss):
+    (H [...], m [...] the finite max, e = exp(z − m) [..., V], s = Σ e [...]); logsumexp(z) = m + log s."""
     z = logits.astype(jnp.float32)
     m = jnp.max(z, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -35,7 +41,7 @@ def entropy(logits: jax.Array) -> jax.Array:
     e = jnp.exp(zc)                                             # 0 where z = −inf
     s = jnp.maximum(jnp.sum(e, axis=-1), jnp.finfo(jnp.float32).tiny)  # all −inf → H clips to 0
     ez = jnp.sum(jnp.where(e > 0, e * zc, 0.0), axis=-1)        # no 0·(−inf)
-    return jnp.log(s) - ez / s
+    return jnp.log(s) - ez / s, m[..., 0], e, s
 
 
 def codes_from_entropy(h: jax.Array, vocab_size: int, n_bits: int) -> jax.Array:

@@ -84,6 +84,27 @@ def test_loss_falls_on_memorisation_set_and_frozen_groups_do_not_move():
         assert same == (g in freeze), g
 
 
+def test_fused_cross_entropy_and_entropy_equal_torch():
+    """`xent_and_entropy` (one exp pass, custom backward) against torch's cross-entropy, its autograd gradient
+    and a float64 entropy, with unsupervised positions (target −1) and per-position loss weights."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(2, 5, 37)).astype(np.float32) * 3
+    t = rng.integers(-1, 37, (2, 5)).astype(np.int32)
+    w = rng.normal(size=(2, 5)).astype(np.float32)
+    loss, h = S.xent_and_entropy(jnp.asarray(z), jnp.asarray(t))
+    grad = jax.grad(lambda x: jnp.sum(jnp.asarray(w) * S.xent_and_entropy(x, jnp.asarray(t))[0]))(jnp.asarray(z))
+    zt = torch.tensor(z, requires_grad=True)
+    ce = torch.nn.functional.cross_entropy(zt.reshape(-1, 37), torch.tensor(t.reshape(-1)).long().clamp(min=0),
+                                           reduction="none").reshape(2, 5) * torch.tensor(t >= 0)
+    (ce * torch.tensor(w)).sum().backward()
+    p = torch.softmax(torch.tensor(z, dtype=torch.float64), -1)
+    h_ref = -(p * torch.log(p)).sum(-1).numpy()
+    np.testing.assert_allclose(np.asarray(loss), ce.detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), zt.grad.numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(h), h_ref, atol=1e-5)
+    assert (np.asarray(loss)[t < 0] == 0).all()
+
+
 def test_freeze_groups_select_their_leaves():
     """`train.freeze: [vision, text, lm_head]` = everything but the table; `embed` / `layers` are parts of text."""
     params = init_params_numpy(make_cfg().model, seed=0)

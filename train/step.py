@@ -23,7 +23,7 @@ import optax
 
 from prisma_jax.model import Batch, head, hidden
 from prisma_jax.params import init_params
-from prisma_jax.uncertainty import codes_from_logits, shift_codes
+from prisma_jax.uncertainty import codes_from_entropy, codes_from_logits, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
 
 from .config import Config
@@ -137,14 +137,39 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
     return head(m, params, h).astype(jnp.float32), codes
 
 
+@jax.custom_vjp
+def xent_and_entropy(logits: jax.Array, targets: jax.Array):
+    """Per-position cross-entropy [b, S] (0 where targets < 0) and entropy [b, S] (no gradient) of float32
+    logits [b, S, V], from one exp pass over the vocabulary (`entropy_parts`); the backward reuses that pass's
+    softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made XLA:CPU run
+    three exp passes over [b, S, V] per step."""
+    return _xent_fwd(logits, targets)[0]
+
+
+def _xent_fwd(logits, targets):
+    h, m, e, s = entropy_parts(logits)
+    tgt = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    loss = jnp.where(targets >= 0, m + jnp.log(s) - tgt, 0.0)
+    return (loss, h), (e, s, targets)
+
+
+def _xent_bwd(res, g):
+    e, s, targets = res
+    g_loss = jnp.where(targets >= 0, g[0], 0.0)
+    onehot = jnp.arange(e.shape[-1]) == jnp.maximum(targets, 0)[..., None]
+    return (e / s[..., None] - onehot) * g_loss[..., None], None
+
+
+xent_and_entropy.defvjp(_xent_fwd, _xent_bwd)
+
+
 def _micro_loss(params, cfg: Config, mb: Batch, targets):
     """Summed cross-entropy over supervised positions, and code statistics (sums) of the last pass."""
     logits, _ = training_logits(cfg, params, mb, targets, cfg.train.remat)    # [b, S, V] float32
     sup = targets >= 0
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
-    loss_sum = jnp.sum(jnp.where(sup, lse - tgt, 0.0))
-    frac = codes_from_logits(jax.lax.stop_gradient(logits), cfg.model.n_bits).astype(jnp.float32)
+    loss, h = xent_and_entropy(logits, targets)
+    loss_sum = jnp.sum(loss)
+    frac = codes_from_entropy(jax.lax.stop_gradient(h), logits.shape[-1], cfg.model.n_bits).astype(jnp.float32)
     frac = frac / (cfg.model.n_levels - 1)
     s = sup.astype(jnp.float32)
     stats = {"code_sum": jnp.sum(frac * s), "code_low": jnp.sum((frac < LOW) * s),
