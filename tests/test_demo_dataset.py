@@ -20,6 +20,13 @@ def _oracle(scene, q):
     if t == "what":
         here = [f'{o["color"]} {o["shape"]}' for o in scene if o["row"] == q["row"] and o["col"] == q["col"]]
         return "answerable", set(here) if here else {"nothing"}
+    if t == "describe":
+        words = []
+        for row in (0, 1):
+            for col in (0, 1):
+                here = [f'{o["color"]} {o["shape"]}' for o in scene if (o["row"], o["col"]) == (row, col)]
+                words.append(here[0] if here else "nothing")
+        return "answerable", {" ".join(words)}
     if t == "color":
         found = {o["color"] for o in scene if o["shape"] == q["shape"]}
     elif t == "shape":
@@ -91,7 +98,9 @@ def test_answers_match_an_independent_oracle(built):
 def test_training_file_holds_conversations_only_and_labels_are_right(built):
     a, info = built
     train = D.read_jsonl(info["train"])
-    assert len(train) == 180 and all(set(r) == {"messages"} for r in train)
+    assert all(set(r) == {"messages"} for r in train)
+    captions = sum(r["messages"][0]["content"][1]["text"] == "describe the image ?" for r in train)
+    assert 0 < captions < 60 and len(train) == captions + 3 * (60 - captions)     # 60 images, 3 questions each
     for r in train:
         user, assistant = r["messages"]
         assert user["role"] == "user" and assistant["role"] == "assistant"
@@ -124,12 +133,21 @@ def test_every_kind_and_question_type_occurs(tmp_path):
     assert sum(r["kind"] == "answerable" for r in held) > len(held) / 2
 
 
-def test_probe_type_what_matches_the_oracle():
+def test_captions_take_their_share_of_training_images_only(tmp_path):
+    recs = D.make_split(str(tmp_path), "t", 400, 2, seed=5, caption_share=0.3)
+    caps = [r for r in recs if r["type"] == D.CAPTION]
+    assert 0.22 < len(caps) / 400 < 0.38                         # one caption per captioned image
+    assert len(recs) == len(caps) + 2 * (400 - len(caps))
+    assert all(r["messages"][1]["content"][0]["text"] == r["label"] for r in caps)
+
+
+@pytest.mark.parametrize("t", (*D.PROBE_TYPES, D.CAPTION))
+def test_extra_types_match_the_oracle(t):
     rng = np.random.default_rng(3)
     vocab = set(D.VOCABULARY) | set(D.PROBE_WORDS)
     for _ in range(50):
         scene = D.random_scene(rng)
-        for q in D._candidates("what"):
+        for q in D._candidates(t):
             kind, right = D.answers(scene, q)
             assert (kind, set(right)) == _oracle(scene, q)
             assert set(D.question_text(q).split()) <= vocab and set(right[0].split()) <= vocab

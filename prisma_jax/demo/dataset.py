@@ -36,11 +36,16 @@ COLS = ("left", "right")
 UNKNOWN = "unknown"
 KINDS = ("answerable", "unanswerable", "ambiguous")
 QUESTION_TYPES = ("color", "shape", "count_shape", "count_color", "where", "left_of", "above")
-# A diagnostic type that `prisma demo` does not ask (benchmarks/demo_probe.py --types what): "what is at the top
-# left ?" → "red circle" or "nothing". Its words are outside VOCABULARY, so the demo's tokenizer stays as it is.
-PROBE_TYPES = ("what",)
+# A caption, asked in training only: "describe the image ?" → the four cells in reading order, e.g. "red circle
+# nothing nothing blue square". It supervises the colour and shape of every cell at fixed answer positions, which
+# the questions alone do too weakly for the tower to learn shapes within the demo's budget (README, demo section).
+CAPTION = "describe"
+CAPTION_SHARE = 0.5                                 # share of training images asked for a caption
 NOTHING = "nothing"
-PROBE_WORDS = ("at", NOTHING)
+# A diagnostic type that `prisma demo` does not ask (benchmarks/demo_probe.py --types what): "what is at the top
+# left ?" → "red circle" or "nothing". Its word "at" is outside VOCABULARY, so the demo's tokenizer stays as it is.
+PROBE_TYPES = ("what",)
+PROBE_WORDS = ("at",)
 
 # Every word the task can produce (questions and answers), in a fixed order: the tokenizer built from it
 # (prisma_jax.processing.build_tokenizer adds the special tokens and chat roles) never changes.
@@ -48,7 +53,7 @@ VOCABULARY = (
     "what", "color", "shape", "is", "the", "object", "objects", "how", "many", "are", "there", "where", "left", "of",
     "above", "?",
     *COLORS, *SHAPES, *PLURAL.values(), *ROWS, "right", "yes", "no", UNKNOWN,
-    *[str(n) for n in range(GRID * GRID + 1)],
+    *[str(n) for n in range(GRID * GRID + 1)], CAPTION, "image", NOTHING,
 )
 
 
@@ -110,6 +115,8 @@ def question_text(q: dict) -> str:
         return f"is the {q['shape']} above the {q['other']} ?"
     if t == "what":
         return f"what is at the {ROWS[q['row']]} {COLS[q['col']]} ?"
+    if t == CAPTION:
+        return "describe the image ?"
     raise ValueError(f"unknown question type {t!r}")
 
 
@@ -131,6 +138,9 @@ def answers(scene: list[dict], q: dict) -> tuple[str, list[str]]:
     if t == "what":
         here = [f"{o['color']} {o['shape']}" for o in scene if (o["row"], o["col"]) == (q["row"], q["col"])]
         return "answerable", here or [NOTHING]
+    if t == CAPTION:
+        cells = {(o["row"], o["col"]): f"{o['color']} {o['shape']}" for o in scene}
+        return "answerable", [" ".join(cells.get((r, c), NOTHING) for r in range(GRID) for c in range(GRID))]
     if t in ("left_of", "above"):
         a = [o for o in scene if o["shape"] == q["shape"]]
         b = [o for o in scene if o["shape"] == q["other"]]
@@ -151,7 +161,16 @@ def _candidates(t: str) -> list[dict]:
         return [{"type": t, "color": c, "shape": s} for c in COLORS for s in SHAPES]
     if t == "what":
         return [{"type": t, "row": r, "col": c} for r in range(GRID) for c in range(GRID)]
+    if t == CAPTION:
+        return [{"type": t}]
     return [{"type": t, "shape": s, "other": o} for s in SHAPES for o in SHAPES if s != o]
+
+
+def caption_question(scene: list[dict]) -> dict:
+    """The caption as a question record (one right answer: the label)."""
+    q = {"type": CAPTION}
+    kind, right = answers(scene, q)
+    return {**q, "kind": kind, "answers": right, "label": right[0], "question": question_text(q)}
 
 
 def sample_question(scene: list[dict], rng: np.random.Generator, kind_weights=(0.7, 0.15, 0.15)) -> dict:
@@ -183,8 +202,9 @@ def conversation(image_path: str, question: str, answer: str | None = None) -> l
 
 
 def make_split(directory: str, name: str, n_images: int, questions_per_image: int, seed: int,
-               kind_weights=(0.7, 0.15, 0.15)) -> list[dict]:
-    """Render `n_images` scenes to `directory/images/` and return one record per question: `messages`
+               kind_weights=(0.7, 0.15, 0.15), caption_share: float = 0.0) -> list[dict]:
+    """Render `n_images` scenes to `directory/images/` and return one record per question — for a share
+    `caption_share` of the images, the caption instead of the questions: `messages`
     (image paths relative to `directory`, as `prisma train` resolves them against the JSONL's folder), plus
     `id`, `image`, `scene`, `type`, `kind`, `answers`, `label`, `question`."""
     rng = np.random.default_rng(seed)
@@ -194,8 +214,9 @@ def make_split(directory: str, name: str, n_images: int, questions_per_image: in
         scene = random_scene(rng)
         path = f"images/{name}_{i:05d}.png"
         render(scene, rng).save(os.path.join(directory, path), optimize=False)
-        for j in range(questions_per_image):
-            q = sample_question(scene, rng, kind_weights)
+        captioned = caption_share > 0 and rng.random() < caption_share
+        for j in range(1 if captioned else questions_per_image):
+            q = caption_question(scene) if captioned else sample_question(scene, rng, kind_weights)
             records.append({"id": f"{name}_{i:05d}_{j}", "image": path, "scene": scene, **q,
                             "messages": conversation(path, q["question"], q["label"])})
     return records
@@ -212,13 +233,13 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_dataset(directory: str, n_train_images: int = 3000, n_heldout_images: int = 200,
-                  questions_per_image: int = 2, seed: int = 0) -> dict:
-    """`directory/train.jsonl` (conversations only: what `prisma train` reads), `directory/heldout.jsonl`
-    (full records with scenes, kinds and labels) and `directory/images/`. Train and held-out scenes come
-    from different seeds. Returns the paths and counts."""
+def build_dataset(directory: str, n_train_images: int = 20000, n_heldout_images: int = 200,
+                  questions_per_image: int = 1, seed: int = 0, caption_share: float = CAPTION_SHARE) -> dict:
+    """`directory/train.jsonl` (conversations only: what `prisma train` reads; captions for `caption_share` of
+    the images), `directory/heldout.jsonl` (questions only, full records with scenes, kinds and labels) and
+    `directory/images/`. Train and held-out scenes come from different seeds. Returns the paths and counts."""
     os.makedirs(directory, exist_ok=True)
-    train = make_split(directory, "train", n_train_images, questions_per_image, seed)
+    train = make_split(directory, "train", n_train_images, questions_per_image, seed, caption_share=caption_share)
     held = make_split(directory, "heldout", n_heldout_images, questions_per_image, seed + 1_000_003)
     paths = {"train": os.path.join(directory, "train.jsonl"), "heldout": os.path.join(directory, "heldout.jsonl")}
     write_jsonl(paths["train"], train, keys=("messages",))

@@ -30,6 +30,9 @@ ARMS = ("feedback", "no_feedback")
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
 MAX_NEW_TOKENS = 4          # longest answer ("top left") + the end token, plus one
 GEN_BATCH = 100
+# The vision tower's position table is drawn at unit scale, not normal(0, 0.02): the language model then finds
+# "top left" among the four image tokens by their content (README, demo section: routing by position).
+POS_EMBED_STD = 1.0
 
 
 class Progress:
@@ -67,12 +70,20 @@ def build_tokenizer_dir(directory: str, model_cfg) -> dict:
     return ids
 
 
-def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_id: int, pad_id: int) -> dict:
-    """One random init, written twice as a Hugging Face checkpoint: with a normal(0, 0.02) table (feedback)
-    and with a zero table (no feedback). Both arms train from these (`train.init`)."""
+def demo_init(model_cfg, seed: int, pos_embed_std: float = POS_EMBED_STD) -> dict:
+    """The default random init (NumPy), with the vision position table redrawn at `pos_embed_std`."""
     from prisma_jax.params import init_params_numpy
-    from train.export import write_hf
     params = init_params_numpy(model_cfg, seed, np.float32, uncertainty_init="normal")
+    shape = params["vision"]["pos_embed"]["embedding"].shape
+    pe = np.random.default_rng([seed, 1]).normal(0, pos_embed_std, shape).astype(np.float32)
+    return {**params, "vision": {**params["vision"], "pos_embed": {"embedding": pe}}}
+
+
+def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_id: int, pad_id: int) -> dict:
+    """One random init (`demo_init`), written twice as a Hugging Face checkpoint: with a normal(0, 0.02) table
+    (feedback) and with a zero table (no feedback). Both arms train from these (`train.init`)."""
+    from train.export import write_hf
+    params = demo_init(model_cfg, seed)
     out = {}
     for arm in ARMS:
         p = params
@@ -162,7 +173,7 @@ def format_samples(rows: list[dict], n: int = 8) -> str:
 
 
 def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None = None,
-             train_images: int = 3000, heldout_images: int = 200, questions_per_image: int = 2, seed: int = 0,
+             train_images: int = 20000, heldout_images: int = 200, questions_per_image: int = 1, seed: int = 0,
              progress_bar: bool = True, overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo; returns the flat metrics (also in `out/metrics.json`)."""
     from prisma_jax import PrismaVL
@@ -179,7 +190,8 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
     try:
         data_dir, tok_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
-        prog.stage(f"dataset: {train_images} + {heldout_images} scenes × {questions_per_image} questions → {data_dir}")
+        prog.stage(f"dataset: {train_images} + {heldout_images} scenes × {questions_per_image} questions "
+                   f"({D.CAPTION_SHARE:.0%} of the training scenes captioned instead) → {data_dir}")
         info = D.build_dataset(data_dir, train_images, heldout_images, questions_per_image, seed)
         prog.note(f"{info['n_train']} training conversations, {info['n_heldout']} held-out questions "
                   f"{info['heldout_kinds']}")
@@ -252,9 +264,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default="demo_out", help="output directory (replaced when the demo finishes)")
     p.add_argument("--config", default=None, help="training YAML (default configs/demo.yaml)")
     p.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the config's)")
-    p.add_argument("--train-images", type=int, default=3000)
+    p.add_argument("--train-images", type=int, default=20000)
     p.add_argument("--heldout-images", type=int, default=200)
-    p.add_argument("--questions-per-image", type=int, default=2)
+    p.add_argument("--questions-per-image", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no training progress bar")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="training config overrides")
