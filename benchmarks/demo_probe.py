@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=None, help="default: the config's")
     ap.add_argument("--every", type=int, default=500)
-    ap.add_argument("--train-images", type=int, default=20000)
-    ap.add_argument("--questions-per-image", type=int, default=1)
+    ap.add_argument("--train-images", type=int, default=None, help="default: the demo's")
+    ap.add_argument("--questions-per-image", type=int, default=None, help="default: the demo's")
     ap.add_argument("--types", default=None, help="comma-separated question types (default: all)")
     ap.add_argument("--caption-share", type=float, default=None)
     ap.add_argument("--pos-embed-std", type=float, default=None)
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
         D.QUESTION_TYPES = types
     work = tempfile.mkdtemp(prefix="demo_probe-")
     data_dir, tok_dir = os.path.join(work, "data"), os.path.join(work, "tokenizer")
-    share = D.CAPTION_SHARE if args.caption_share is None else args.caption_share
-    info = D.build_dataset(data_dir, args.train_images, 200, args.questions_per_image, args.seed, share)
+    sizes = {"n_train_images": args.train_images, "questions_per_image": args.questions_per_image,
+             "caption_share": args.caption_share}
+    info = D.build_dataset(data_dir, seed=args.seed, **{k: v for k, v in sizes.items() if v is not None})
     n = D.IMAGE_SIZE * D.IMAGE_SIZE
     vocab = build_tokenizer(tok_dir, words, min_pixels=n, max_pixels=n)["vocab_size"]
     base = [f"data.processor={tok_dir}", f"model.text.vocab_size={vocab}", *args.overrides]

@@ -41,6 +41,8 @@ QUESTION_TYPES = ("color", "shape", "count_shape", "count_color", "where", "left
 # the questions alone do too weakly for the tower to learn shapes within the demo's budget (README, demo section).
 CAPTION = "describe"
 CAPTION_SHARE = 0.5                                 # share of training images asked for a caption
+# The demo's data sizes (`prisma demo` and benchmarks/demo_probe.py default to them).
+TRAIN_IMAGES, HELDOUT_IMAGES, QUESTIONS_PER_IMAGE = 20000, 200, 1
 NOTHING = "nothing"
 # A diagnostic type that `prisma demo` does not ask (benchmarks/demo_probe.py --types what): "what is at the top
 # left ?" → "red circle" or "nothing". Its word "at" is outside VOCABULARY, so the demo's tokenizer stays as it is.
@@ -233,8 +235,9 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_dataset(directory: str, n_train_images: int = 20000, n_heldout_images: int = 200,
-                  questions_per_image: int = 1, seed: int = 0, caption_share: float = CAPTION_SHARE) -> dict:
+def build_dataset(directory: str, n_train_images: int = TRAIN_IMAGES, n_heldout_images: int = HELDOUT_IMAGES,
+                  questions_per_image: int = QUESTIONS_PER_IMAGE, seed: int = 0,
+                  caption_share: float = CAPTION_SHARE) -> dict:
     """`directory/train.jsonl` (conversations only: what `prisma train` reads; captions for `caption_share` of
     the images), `directory/heldout.jsonl` (questions only, full records with scenes, kinds and labels) and
     `directory/images/`. Train and held-out scenes come from different seeds. Returns the paths and counts."""

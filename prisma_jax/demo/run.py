@@ -173,7 +173,8 @@ def format_samples(rows: list[dict], n: int = 8) -> str:
 
 
 def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None = None,
-             train_images: int = 20000, heldout_images: int = 200, questions_per_image: int = 1, seed: int = 0,
+             train_images: int = D.TRAIN_IMAGES, heldout_images: int = D.HELDOUT_IMAGES,
+             questions_per_image: int = D.QUESTIONS_PER_IMAGE, seed: int = 0,
              progress_bar: bool = True, overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo; returns the flat metrics (also in `out/metrics.json`)."""
     from prisma_jax import PrismaVL
@@ -264,9 +265,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default="demo_out", help="output directory (replaced when the demo finishes)")
     p.add_argument("--config", default=None, help="training YAML (default configs/demo.yaml)")
     p.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the config's)")
-    p.add_argument("--train-images", type=int, default=20000)
-    p.add_argument("--heldout-images", type=int, default=200)
-    p.add_argument("--questions-per-image", type=int, default=1)
+    p.add_argument("--train-images", type=int, default=D.TRAIN_IMAGES)
+    p.add_argument("--heldout-images", type=int, default=D.HELDOUT_IMAGES)
+    p.add_argument("--questions-per-image", type=int, default=D.QUESTIONS_PER_IMAGE)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no training progress bar")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="training config overrides")
