@@ -111,7 +111,7 @@ def shard_batch(batch, mesh: Mesh):
         if name in ("input_ids", "attention_mask", "codes"):
             return put_global(x, batch_sharding(mesh, np.shape(x)))
         if name == "geometry":
-            return type(x)(*(put_global(g, rep) for g in x))
+            return jax.tree.map(lambda g: put_global(g, rep), x)
         return put_global(x, rep)
 
     return type(batch)(*(put(k, v) for k, v in zip(batch._fields, batch)))

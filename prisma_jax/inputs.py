@@ -45,7 +45,7 @@ def check_grids(cfg: ModelConfig, pixel_values, image_grid_thw) -> tuple[np.ndar
     if pv.shape != (n, cfg.vision.patch_dim):
         raise ValueError(f"pixel_values has shape {pv.shape} but image_grid_thw needs "
                          f"({n}, {cfg.vision.patch_dim}) (sum of t·h·w rows of C·T·P·P values)")
-    if not np.all(np.isfinite(pv.astype(np.float32))):
+    if not np.all(np.isfinite(pv if pv.dtype.kind == "f" else pv.astype(np.float32))):
         raise ValueError("pixel_values contains NaN or inf")
     return pv, grid
 

@@ -6,7 +6,8 @@ needs (bilinear taps and weights, rotary row/col ids, frame segment ids); `visio
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,20 +17,34 @@ from .config import VisionConfig
 from .layers import apply_rope, attention, dense, layer_norm, torch_inv_freq
 
 
-class VisionGeometry(NamedTuple):
-    """Per-patch host-computed indices for the packed `pixel_values` rows (block-major order, §3.1)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VisionGeometry:
+    """Per-patch host-computed indices for the packed `pixel_values` rows (block-major order, §3.1).
+    A pytree: the arrays are its leaves, `frame_len` is static (part of the jitted program's signature)."""
     pos_idx: np.ndarray   # [4, N] int32 rows of the learned position table (bilinear taps)
     pos_w: np.ndarray     # [4, N] float32 tap weights
     rows: np.ndarray      # [N] int32 patch row (vision rotary)
     cols: np.ndarray      # [N] int32 patch column
     segment: np.ndarray   # [N] int32 frame id: attention is full within a frame, zero across
+    # patches per frame when every frame has the same number (then attention runs per frame, [F, L, L],
+    # instead of over all N patches with a block-diagonal [N, N] mask); 0 when the frames differ
+    frame_len: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 def vision_geometry(cfg: VisionConfig, image_grid_thw: np.ndarray) -> VisionGeometry:
+    """The geometry of these grids (cached: a training run or a generation bucket asks for the same grids
+    every batch). Its arrays are read-only."""
+    return _geometry(cfg, tuple(tuple(g) for g in np.asarray(image_grid_thw, np.int64).tolist()))
+
+
+@functools.lru_cache(maxsize=32)
+def _geometry(cfg: VisionConfig, grids: tuple) -> VisionGeometry:
     m, s = cfg.spatial_merge_size, cfg.pos_grid
     parts: list[tuple] = []
     seg = 0
-    for t, gh, gw in np.asarray(image_grid_thw, np.int64):
+    sizes = {gh * gw for _, gh, gw in grids}
+    for t, gh, gw in grids:
         # patch (r, c) in merge-block-major order: (block row, block col, inner row, inner col)
         br, bc, ir, ic = np.meshgrid(np.arange(gh // m), np.arange(gw // m), np.arange(m), np.arange(m),
                                      indexing="ij")
@@ -47,8 +62,10 @@ def vision_geometry(cfg: VisionConfig, image_grid_thw: np.ndarray) -> VisionGeom
             parts.append((idx, w, r, c, np.full(r.shape, seg)))
             seg += 1
     cat = lambda i, dt: np.concatenate([p[i] for p in parts], axis=-1).astype(dt)  # noqa: E731
-    return VisionGeometry(cat(0, np.int32), cat(1, np.float32), cat(2, np.int32), cat(3, np.int32),
-                          cat(4, np.int32))
+    arrays = [cat(0, np.int32), cat(1, np.float32), cat(2, np.int32), cat(3, np.int32), cat(4, np.int32)]
+    for a in arrays:
+        a.flags.writeable = False
+    return VisionGeometry(*arrays, frame_len=sizes.pop() if len(sizes) == 1 else 0)
 
 
 def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
@@ -58,7 +75,7 @@ def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
     return (i.astype(np.float32) * np.float32(s - 1)) / np.float32(n - 1)
 
 
-def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask):
+def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask, frame_len: int):
     n, d = x.shape
     hd = cfg.head_dim
     h = layer_norm(p["norm1"], x, cfg.layer_norm_eps)
@@ -66,7 +83,10 @@ def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask):
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
     k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
-    o = attention(q[None], k[None], v[None], mask[None])[0].reshape(n, d)
+    # frames of one size: a batch of F frames of L patches; else all N patches under the block-diagonal mask
+    f, ln = (n // frame_len, frame_len) if frame_len else (1, n)
+    q, k, v = (a.reshape(f, ln, cfg.num_heads, hd) for a in (q, k, v))
+    o = attention(q, k, v, mask).reshape(n, d)
     x = x + dense(p["attn"]["proj"], o)
     h = layer_norm(p["norm2"], x, cfg.layer_norm_eps)
     h = dense(p["mlp"]["fc2"], jax.nn.gelu(dense(p["mlp"]["fc1"], h), approximate=True))
@@ -95,10 +115,13 @@ def vision_tower(cfg: VisionConfig, p: dict, pixel_values: jax.Array, geo: Visio
     phi = jnp.concatenate([geo.rows[:, None] * inv, geo.cols[:, None] * inv], axis=-1).astype(jnp.float32)
     emb = jnp.concatenate([phi, phi], axis=-1)[:, None, :]                          # [N, 1, hd]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
-    mask = geo.segment[:, None] == geo.segment[None, :]
+    if geo.frame_len:
+        mask = jnp.ones((1, geo.frame_len, geo.frame_len), bool)
+    else:
+        mask = (geo.segment[:, None] == geo.segment[None, :])[None]
 
     def body(x, lp):
-        return _block(cfg, lp, x, cos, sin, mask), None
+        return _block(cfg, lp, x, cos, sin, mask, geo.frame_len), None
 
     if remat:
         body = jax.checkpoint(body)

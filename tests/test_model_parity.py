@@ -122,3 +122,26 @@ def test_bfloat16_params_close_to_float32(untied, tmp_path):
     # measured 2026-11-29: max |Δ| = 0.0048 on logits with max |x| 0.55, std 0.16 (README "Numerics"); 4x margin
     assert np.abs(a - b).max() < 0.02
     assert np.abs(a - b).max() > 0  # really ran in bf16
+
+
+def test_frames_of_one_size_attend_per_frame(untied):
+    """Equal frames run the vision attention as a batch of frames ([F, L, L]); that equals the block-diagonal
+    [N, N] mask that frames of different sizes use (and transformers' per-frame attention, tested above)."""
+    import dataclasses
+
+    import jax
+
+    from prisma_jax.vision import vision_geometry, vision_tower
+    _, ours = untied
+    cfg, p = ours.config.vision, ours.params["vision"]
+    assert vision_geometry(cfg, np.array([[1, 4, 6], [1, 14, 10]])).frame_len == 0
+    assert vision_geometry(cfg, np.array([[2, 4, 4], [1, 4, 4]])).frame_len == 16   # a 2-frame video + an image
+    grids = np.array([[1, 4, 6], [2, 4, 6]])
+    geo = vision_geometry(cfg, grids)
+    assert geo.frame_len == 24
+    pv = random_pixels(grids.tolist(), 7)
+    run = jax.jit(lambda g: vision_tower(cfg, p, pv, g))
+    (m1, d1), (m0, d0) = run(geo), run(dataclasses.replace(geo, frame_len=0))
+    assert np.abs(np.asarray(m1) - np.asarray(m0)).max() < 1e-5
+    assert np.abs(np.asarray(d1) - np.asarray(d0)).max() < 1e-5
+    assert np.abs(np.asarray(m1)).max() > 0.1

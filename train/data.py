@@ -230,15 +230,21 @@ class Collate:
 
     def __call__(self, samples: list[dict]) -> TrainBatch:
         m = self.cfg.model
-        cols = {k: [] for k in TrainBatch._fields if k != "geometry"}
+        cols = {k: [] for k in TrainBatch._fields if k not in ("geometry", "pixel_values")}
+        pixels = (np.zeros((self.a, self.slots * self.patches, m.vision.patch_dim), np.float32) if self.slots
+                  else None)
         for a in range(self.a):
             rows = samples[a * self.b:(a + 1) * self.b]
             ids = np.stack([r["ids"] for r in rows])
             mask = np.stack([r["mask"] for r in rows])
             sup = np.stack([r["supervised"] for r in rows])
-            pix = [r["pixels"] for r in rows if r["pixels"] is not None]
-            pv = np.concatenate(pix) if pix else None
-            grids = None if pv is None else np.array([self.grid] * (len(pv) // self.patches))
+            n = 0                                                 # the real images first, zero slots after
+            for r in rows:
+                if r["pixels"] is not None:
+                    pixels[a, n:n + len(r["pixels"])] = r["pixels"]
+                    n += len(r["pixels"])
+            pv = pixels[a, :n] if n else None
+            grids = None if pv is None else np.array([self.grid] * (n // self.patches))
             b = prepare(m, ids, mask, pv, grids)                  # validation, positions, prompt-rule codes
             targets = np.where(np.pad(sup[:, 1:], ((0, 0), (0, 1))), np.pad(ids[:, 1:], ((0, 0), (0, 1))), -1)
             cols["input_ids"].append(b.input_ids)
@@ -246,13 +252,8 @@ class Collate:
             cols["codes"].append(b.codes)
             cols["positions"].append(b.positions)
             cols["targets"].append(targets.astype(np.int32))
-            if self.slots:
-                full = np.zeros((self.slots * self.patches, m.vision.patch_dim), np.float32)
-                if pv is not None:
-                    full[:len(pv)] = pv
-                cols["pixel_values"].append(full)
-        out = {k: np.stack(v) if v else None for k, v in cols.items()}
-        return TrainBatch(**out, geometry=self.geometry)
+        out = {k: np.stack(v) for k, v in cols.items()}
+        return TrainBatch(**out, pixel_values=pixels, geometry=self.geometry)
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline

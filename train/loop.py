@@ -170,18 +170,24 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(st)),
                                                 data=ocp.args.JsonSave(data_state),
                                                 meta=ocp.args.JsonSave(meta)), force=force)
+    def fetch():
+        b = next(iterator)
+        return b, iterator.get_state()                 # position after this batch = after its step
+
     try:
         with open(metrics_path, "a") as mf:
+            batch, next_data_state = fetch()
             while step < stop_at:
                 t0 = time.perf_counter()
-                batch = next(iterator)
-                data_state = iterator.get_state()          # position after this batch = after this step
+                data_state = next_data_state
                 n_in = int(np.sum(batch.attention_mask)) * jax.process_count()
                 if mesh is not None:
                     with jax.set_mesh(mesh):
                         state, m = step_fn(state, sharded.put_batch(batch, mesh))
                 else:
                     state, m = step_fn(state, batch)
+                if step + 1 < stop_at:   # the step runs asynchronously: build the next batch meanwhile
+                    batch, next_data_state = fetch()
                 m = jax.device_get(m)
                 dt = time.perf_counter() - t0
                 step += 1

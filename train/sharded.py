@@ -61,7 +61,7 @@ def put_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
         elif name in _ROW_AXIS:
             out[name] = multihost.host_batch(np.asarray(x), mesh, batch_axis=_ROW_AXIS[name])
         elif name == "geometry":
-            out[name] = type(x)(*(put_global(g, rep) for g in x))
+            out[name] = jax.tree.map(lambda g: put_global(g, rep), x)
         else:
             out[name] = put_global(x, rep)
     return TrainBatch(**out)
