@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=500)
     ap.add_argument("--train-images", type=int, default=None, help="default: the demo's")
     ap.add_argument("--questions-per-image", type=int, default=None, help="default: the demo's")
+    ap.add_argument("--heldout-images", type=int, default=None, help="default: the demo's")
     ap.add_argument("--types", default=None, help="comma-separated question types (default: all)")
     ap.add_argument("--caption-share", type=float, default=None)
     ap.add_argument("--pos-embed-std", type=float, default=None)
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
         D.QUESTION_TYPES = types
     work = tempfile.mkdtemp(prefix="demo_probe-")
     data_dir, tok_dir = os.path.join(work, "data"), os.path.join(work, "tokenizer")
-    sizes = {"n_train_images": args.train_images, "questions_per_image": args.questions_per_image,
+    sizes = {"n_train_images": args.train_images, "n_heldout_images": args.heldout_images,
+             "questions_per_image": args.questions_per_image,
              "caption_share": args.caption_share}
     info = D.build_dataset(data_dir, seed=args.seed, **{k: v for k, v in sizes.items() if v is not None})
     n = D.IMAGE_SIZE * D.IMAGE_SIZE

@@ -42,7 +42,7 @@ QUESTION_TYPES = ("color", "shape", "count_shape", "count_color", "where", "left
 CAPTION = "describe"
 CAPTION_SHARE = 0.5                                 # share of training images asked for a caption
 # The demo's data sizes (`prisma demo` and benchmarks/demo_probe.py default to them).
-TRAIN_IMAGES, HELDOUT_IMAGES, QUESTIONS_PER_IMAGE = 20000, 200, 1
+TRAIN_IMAGES, HELDOUT_IMAGES, QUESTIONS_PER_IMAGE = 20000, 400, 1
 NOTHING = "nothing"
 # A diagnostic type that `prisma demo` does not ask (benchmarks/demo_probe.py --types what): "what is at the top
 # left ?" → "red circle" or "nothing". Its word "at" is outside VOCABULARY, so the demo's tokenizer stays as it is.
