@@ -170,6 +170,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(st)),
                                                 data=ocp.args.JsonSave(data_state),
                                                 meta=ocp.args.JsonSave(meta)), force=force)
+
     def fetch():
         b = next(iterator)
         return b, iterator.get_state()                 # position after this batch = after its step
