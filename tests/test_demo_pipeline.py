@@ -74,3 +74,14 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["prisma demo: error: --steps must be ≥ 1, got 0"]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failing_arm_stops_the_demo_with_its_log(tmp_path):
+    """Both arms train at once in subprocesses: one that fails ends the demo with its exit code and the end of its
+    log, the other is stopped, and nothing is left behind."""
+    missing = tmp_path / "no_such_checkpoint"
+    with pytest.raises(ValueError, match=r"`prisma train` \[(no_)?feedback\] failed \(exit code 2\)") as e:
+        R.run_demo(str(tmp_path / "o"), steps=2, train_images=8, heldout_images=4, progress_bar=False,
+                   overrides=("train.batch_size=8", f"train.init={missing}"))
+    assert str(missing) in str(e.value)
+    assert os.listdir(tmp_path) == []

@@ -1,9 +1,9 @@
 """`prisma demo`: the whole system on a laptop CPU, end to end, with a calibration report.
 
-    dataset (dataset.py) → tokenizer (processing.build_tokenizer) → for each arm:
-        `prisma train` (configs/demo.yaml) → `prisma convert train-to-hf` → `prisma convert hf-to-orbax`
-        → `PrismaVL.from_pretrained` → `generate` on the held-out questions (greedy, per-token
-        codes and probabilities)
+    dataset (dataset.py) → tokenizer (processing.build_tokenizer)
+    → `prisma train` (configs/demo.yaml) for both arms at once (`train_arms`: a subprocess each) → for each arm:
+        `prisma convert train-to-hf` → `prisma convert hf-to-orbax` → `PrismaVL.from_pretrained`
+        → `generate` on the held-out questions (greedy, per-token codes and probabilities)
     → metrics (metrics.py) → metrics.json, report.md and plots (report.py)
 
 The two arms start from the same random weights and see the same batches: "feedback" trains the uncertainty
@@ -36,7 +36,7 @@ POS_EMBED_STD = 1.0
 
 
 class Progress:
-    """Stage lines with elapsed wall time (the trainer draws its own bar under them)."""
+    """Stage lines with elapsed wall time, and notes under them (the training steps of both arms)."""
 
     def __init__(self, n_stages: int, out=sys.stdout):
         self.n, self.i, self.t0, self.out = n_stages, 0, time.perf_counter(), out
@@ -92,6 +92,63 @@ def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_
         out[arm] = os.path.join(directory, f"init_{arm}")
         write_hf(p, model_cfg, out[arm], tok_dir, {"eos_token_id": eos_id, "pad_token_id": pad_id})
     return out
+
+
+# Both arms train at once, one process each with one XLA thread on its share of the cores: the tiny model's ops
+# do not split well over cores, and on 2 cores two such runs take 65 ms a step each where one two-threaded run
+# takes 44 ms (docs/benchmarks.md) — 8,000 steps per arm in the time of 5,900 one after the other.
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def train_arms(commands: dict[str, list[str]], log_dir: str, steps: int, progress=None) -> dict[str, float]:
+    """Run `prisma <command>` for every arm at once (logs in `log_dir/train_<arm>.log`), print their progress from
+    their metrics files, and return each arm's wall time; a failed arm raises with the end of its log."""
+    import subprocess
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD}".strip()}
+    t0, procs, took, shown = time.perf_counter(), {}, {}, 0.0
+    os.makedirs(log_dir, exist_ok=True)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    for i, (arm, argv) in enumerate(commands.items()):
+        log = open(os.path.join(log_dir, f"train_{arm}.log"), "w")
+        proc = subprocess.Popen([sys.executable, "-m", "prisma_jax.cli", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        if len(cores) >= len(commands):   # a share of the cores each (set before the child starts its threads)
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(proc.pid, cores[i::len(commands)])
+        procs[arm] = (proc, log)
+    try:
+        while procs.keys() - took.keys():
+            time.sleep(2)
+            for arm, (proc, log) in procs.items():
+                if arm not in took and proc.poll() is not None:
+                    took[arm] = time.perf_counter() - t0
+                    log.close()
+                    if proc.returncode:
+                        with open(log.name) as f:
+                            tail = "".join(f.readlines()[-5:])
+                        raise ValueError(f"`prisma train` [{arm}] failed (exit code {proc.returncode}):\n{tail}")
+            if progress and time.perf_counter() - shown >= 15:
+                shown = time.perf_counter()
+                done = {arm: _last_step(argv) for arm, argv in commands.items()}
+                progress.note(f"{time.perf_counter() - t0:6.0f}s  "
+                              + "  ".join(f"{arm} {n}/{steps}" for arm, n in done.items()))
+    finally:
+        for proc, log in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    return took
+
+
+def _last_step(train_argv: list[str]) -> int:
+    """The last logged step in a `prisma train` run's metrics.jsonl (0 before the first)."""
+    path = os.path.join(train_argv[train_argv.index("--workdir") + 1], "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def cli(argv: list[str]) -> None:
@@ -187,7 +244,7 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
     os.makedirs(parent, exist_ok=True)
     cfg, _ = load_train_config(config, list(overrides))
     steps = steps or cfg.train.steps
-    prog = Progress(3 + 4 * len(ARMS))
+    prog = Progress(4 + 3 * len(ARMS))
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
     try:
         data_dir, tok_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
@@ -202,20 +259,22 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
         inits = initial_checkpoints(cfg.model, seed, os.path.join(tmp, "checkpoints"), tok_dir, eos, pad)
         processor = Processor.from_pretrained(tok_dir)
         heldout = D.read_jsonl(info["heldout"])
-        rows, train_time = {}, {}
+        commands = {}
         for arm in ARMS:
             workdir = os.path.join(tmp, "runs", arm)
-            args = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps),
-                    f"data.path={info['train']}", f"data.processor={tok_dir}", f"train.init={inits[arm]}",
-                    f"train.steps={steps}", *overrides]
+            commands[arm] = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps), "--no-progress",
+                             f"data.path={info['train']}", f"data.processor={tok_dir}", f"train.init={inits[arm]}",
+                             f"train.steps={steps}", *overrides]
             if arm == "no_feedback":
-                args.append("train.freeze=[uncertainty]")
-            if not progress_bar:
-                args.insert(1, "--no-progress")
-            prog.stage(f"train [{arm}]: prisma {' '.join(a if '=' not in a else a.split('=')[0] + '=…' for a in args)}")
-            t0 = time.perf_counter()
-            cli(args)
-            train_time[arm] = time.perf_counter() - t0
+                commands[arm].append("train.freeze=[uncertainty]")
+        prog.stage(f"train both arms at once, {steps} steps each (logs: runs/train_<arm>.log)")
+        for arm, args in commands.items():
+            shown = " ".join(a if "=" not in a else a.split("=")[0] + "=…" for a in args)
+            prog.note(f"[{arm}] prisma {shown}")
+        train_time = train_arms(commands, os.path.join(tmp, "runs"), steps, prog if progress_bar else None)
+        rows = {}
+        for arm in ARMS:
+            workdir = os.path.join(tmp, "runs", arm)
             hf_dir = os.path.join(tmp, "checkpoints", f"{arm}_hf")
             orbax_dir = os.path.join(tmp, "checkpoints", f"{arm}_orbax")
             prog.stage(f"convert [{arm}]: trained params → {os.path.basename(hf_dir)} → prisma convert hf-to-orbax")
