@@ -75,7 +75,7 @@ def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
     return (i.astype(np.float32) * np.float32(s - 1)) / np.float32(n - 1)
 
 
-def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask, frame_len: int):
+def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask):
     n, d = x.shape
     hd = cfg.head_dim
     h = layer_norm(p["norm1"], x, cfg.layer_norm_eps)
@@ -83,9 +83,9 @@ def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask, frame_len: int):
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
     k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
-    # frames of one size: a batch of F frames of L patches; else all N patches under the block-diagonal mask
-    f, ln = (n // frame_len, frame_len) if frame_len else (1, n)
-    q, k, v = (a.reshape(f, ln, cfg.num_heads, hd) for a in (q, k, v))
+    # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches (L = N: one block-diagonal mask)
+    ln = mask.shape[-1]
+    q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
     o = attention(q, k, v, mask).reshape(n, d)
     x = x + dense(p["attn"]["proj"], o)
     h = layer_norm(p["norm2"], x, cfg.layer_norm_eps)
@@ -121,7 +121,7 @@ def vision_tower(cfg: VisionConfig, p: dict, pixel_values: jax.Array, geo: Visio
         mask = (geo.segment[:, None] == geo.segment[None, :])[None]
 
     def body(x, lp):
-        return _block(cfg, lp, x, cos, sin, mask, geo.frame_len), None
+        return _block(cfg, lp, x, cos, sin, mask), None
 
     if remat:
         body = jax.checkpoint(body)

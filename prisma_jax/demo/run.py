@@ -100,9 +100,11 @@ def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def train_arms(commands: dict[str, list[str]], log_dir: str, steps: int, progress=None) -> dict[str, float]:
+def train_arms(commands: dict[str, list[str]], workdirs: dict[str, str], log_dir: str, steps: int,
+               progress=None) -> dict[str, float]:
     """Run `prisma <command>` for every arm at once (logs in `log_dir/train_<arm>.log`), print their progress from
-    their metrics files, and return each arm's wall time; a failed arm raises with the end of its log."""
+    the metrics files in their `workdirs`, and return each arm's wall time; a failed arm raises with the end of
+    its log."""
     import subprocess
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD}".strip()}
     t0, procs, took, shown = time.perf_counter(), {}, {}, 0.0
@@ -129,7 +131,7 @@ def train_arms(commands: dict[str, list[str]], log_dir: str, steps: int, progres
                         raise ValueError(f"`prisma train` [{arm}] failed (exit code {proc.returncode}):\n{tail}")
             if progress and time.perf_counter() - shown >= 15:
                 shown = time.perf_counter()
-                done = {arm: _last_step(argv) for arm, argv in commands.items()}
+                done = {arm: _last_step(workdirs[arm]) for arm in commands}
                 progress.note(f"{time.perf_counter() - t0:6.0f}s  "
                               + "  ".join(f"{arm} {n}/{steps}" for arm, n in done.items()))
     finally:
@@ -140,11 +142,10 @@ def train_arms(commands: dict[str, list[str]], log_dir: str, steps: int, progres
     return took
 
 
-def _last_step(train_argv: list[str]) -> int:
-    """The last logged step in a `prisma train` run's metrics.jsonl (0 before the first)."""
-    path = os.path.join(train_argv[train_argv.index("--workdir") + 1], "metrics.jsonl")
+def _last_step(workdir: str) -> int:
+    """The last logged step in a `prisma train` workdir's metrics.jsonl (0 before the first)."""
     try:
-        with open(path, "rb") as f:
+        with open(os.path.join(workdir, "metrics.jsonl"), "rb") as f:
             lines = f.read().splitlines()
         return json.loads(lines[-1])["step"] if lines else 0
     except (OSError, ValueError, KeyError):
@@ -259,9 +260,9 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
         inits = initial_checkpoints(cfg.model, seed, os.path.join(tmp, "checkpoints"), tok_dir, eos, pad)
         processor = Processor.from_pretrained(tok_dir)
         heldout = D.read_jsonl(info["heldout"])
+        workdirs = {arm: os.path.join(tmp, "runs", arm) for arm in ARMS}
         commands = {}
-        for arm in ARMS:
-            workdir = os.path.join(tmp, "runs", arm)
+        for arm, workdir in workdirs.items():
             commands[arm] = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps), "--no-progress",
                              f"data.path={info['train']}", f"data.processor={tok_dir}", f"train.init={inits[arm]}",
                              f"train.steps={steps}", *overrides]
@@ -271,10 +272,9 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
         for arm, args in commands.items():
             shown = " ".join(a if "=" not in a else a.split("=")[0] + "=…" for a in args)
             prog.note(f"[{arm}] prisma {shown}")
-        train_time = train_arms(commands, os.path.join(tmp, "runs"), steps, prog if progress_bar else None)
+        train_time = train_arms(commands, workdirs, os.path.join(tmp, "runs"), steps, prog if progress_bar else None)
         rows = {}
-        for arm in ARMS:
-            workdir = os.path.join(tmp, "runs", arm)
+        for arm, workdir in workdirs.items():
             hf_dir = os.path.join(tmp, "checkpoints", f"{arm}_hf")
             orbax_dir = os.path.join(tmp, "checkpoints", f"{arm}_orbax")
             prog.stage(f"convert [{arm}]: trained params → {os.path.basename(hf_dir)} → prisma convert hf-to-orbax")
