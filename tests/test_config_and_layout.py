@@ -10,7 +10,7 @@ from prisma_jax.counts import param_counts
 from prisma_jax.params import UNCERTAINTY_KEY, hf_names
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
-KEYS_TSV = os.path.join(ROOT, "..", "shared", "reference", "qwen3_vl_8b_keys.tsv")
+KEYS_TSV = os.path.join(ROOT, "tests", "data", "qwen3_vl_8b_keys.tsv")   # the 8B checkpoint's keys and shapes
 
 
 def test_8b_layout_equals_reference_key_list_plus_table():
