@@ -3,13 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# XLA:CPU allocates a program's large buffers afresh on every call, and glibc maps and unmaps them each time;
-# on VMs where page faults are slow, that alone makes CPU runs several times slower and very noisy
-# (docs/benchmarks.md). jemalloc keeps the pages mapped: used when installed (apt install libjemalloc2).
-JEMALLOC := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 /lib/x86_64-linux-gnu/libjemalloc.so.2 \
-                                   /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2))
-JEMALLOC_ENV = LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1
-RUN_ENV := $(if $(JEMALLOC),$(JEMALLOC_ENV))
+# No allocator to install or preload: importing prisma_jax tunes glibc's malloc itself (prisma_jax/runtime.py).
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(RUN_ENV) $(PY) -m pytest -q -n 2 --dist loadfile -m "not unverified" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not unverified" tests
 
 demo: $(STAMP)
-	$(RUN_ENV) JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/prisma demo   # the demo is a laptop-CPU run
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/prisma demo   # the demo is a laptop-CPU run

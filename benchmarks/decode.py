@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+import prisma_jax  # noqa: F401  first: its host-allocator settings (prisma_jax/runtime.py) then hold for both sides
+
 
 def text_config(quick: bool):
     from transformers import Qwen3VLConfig

@@ -8,8 +8,8 @@ Both sides: the same dimensions (Qwen3 text decoder, 8 × 512, V = 32,000, untie
 ahead-of-time memory comes from `compiled.memory_analysis()`. MFU = model FLOPs/s over the measured
 float32 matmul peak of this machine (the best of a JAX and a torch 2048² matmul loop, measured in the same
 run), with model FLOPs = 6·N_matmul·tokens + 12·L·S·H·hd·tokens (attention scores and values, as computed).
-Prints one Markdown table row per side and a JSON line. Run it with jemalloc preloaded (docs/benchmarks.md,
-"This machine"): both sides then keep their large buffers mapped between steps.
+Prints one Markdown table row per side and a JSON line. Both sides run under the host-allocator settings that
+importing prisma_jax applies (prisma_jax/runtime.py; `PRISMA_MALLOC_TUNING=0` turns them off).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/runtime.py) then hold for both sides
 
 
 def matmul_peak(n=2048, reps=10) -> float:
@@ -137,7 +138,8 @@ def main(argv=None):
     tokens = cfg.train.batch_size * cfg.train.seq_len
     flops = model_flops_per_step(cfg)
     peak = matmul_peak()
-    res = {"ld_preload": os.environ.get("LD_PRELOAD", ""), "peak_gflops": peak / 1e9,
+    res = {"ld_preload": os.environ.get("LD_PRELOAD", ""),
+           "malloc_tuning": os.environ.get("PRISMA_MALLOC_TUNING", "1"), "peak_gflops": peak / 1e9,
            "model_gflop_per_step": flops / 1e9, "tokens_per_step": tokens}
     res["jax"] = bench_jax(cfg, a.steps, a.warmup)
     if not a.skip_torch:

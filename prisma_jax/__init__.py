@@ -1,5 +1,9 @@
 """prisma-jax: Prisma-VL (Qwen3-VL + the introspective uncertainty mechanism) in JAX, built for TPU pods."""
-from .api import PrismaVL
+from . import runtime
+
+runtime.configure()   # before JAX starts a backend: the host allocator, a quiet libtpu without a TPU
+
+from .api import PrismaVL  # noqa: E402
 from .config import ModelConfig, TextConfig, VisionConfig, load_config
 
 __version__ = "0.1.0"
