@@ -24,9 +24,11 @@ import os
 
 MALLOC_SWITCH = "PRISMA_MALLOC_TUNING"
 
-# glibc's mallopt parameters (malloc.h)
+# glibc's mallopt parameters (malloc.h) and our values. The trim threshold is a size_t that mallopt takes as an
+# int: −1 becomes SIZE_MAX, "never trim" (the largest positive int, 2 GiB, is smaller than one training step's
+# temporaries, which then get trimmed and faulted in again on every step).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
-MALLOPT = {_M_ARENA_MAX: 1, _M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1, _M_TOP_PAD: 64 << 20}
+MALLOPT = {_M_ARENA_MAX: 1, _M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: -1, _M_TOP_PAD: 64 << 20}
 
 
 def tune_malloc() -> bool:
