@@ -19,6 +19,7 @@ import prisma_jax
 from prisma_jax.loading import open_checked, resolve_dtype
 from prisma_jax.params import UNCERTAINTY_KEY, param_shapes, get_path
 from prisma_jax.safetensors_io import Checkpoint, CheckpointError
+from prisma_jax.uncertainty import fresh_table
 
 from . import orbax_layout as L
 from .staging import Staging, check_destination, copy_side_files, human_bytes, progress_bar
@@ -93,7 +94,6 @@ def convert(src: str, dst: str, dtype="keep", init_uncertainty: str = "zeros", s
                     dt = leaf_dt[n.path]
                     arrays[n.path] = L.open_array(tmp, n.path, leaves[n.path], dt,
                                                   L.chunk_shape(n, leaves[n.path], np.dtype(dt).itemsize))
-            rng = np.random.default_rng(seed)
             tensors = {}
             with progress_bar(total, "hf-to-orbax", progress) as bar:
                 for n in names:
@@ -104,8 +104,8 @@ def convert(src: str, dst: str, dtype="keep", init_uncertainty: str = "zeros", s
                             hf_block = ck.get(n.hf)[r0:r1].astype(dt, copy=False)
                         elif init_uncertainty == "zeros":
                             hf_block = np.zeros((r1 - r0, *n.hf_shape[1:]), dt)
-                        else:   # the same stream as loading.load_hf's normal table
-                            hf_block = (0.02 * rng.standard_normal((r1 - r0, *n.hf_shape[1:]), np.float32)).astype(dt)
+                        else:   # rows r0:r1 of loading.load_hf's normal table (the same layout in HF)
+                            hf_block = np.asarray(fresh_table(seed, n.hf_shape, dt, rows=(r0, r1)))
                         crc = zlib.crc32(np.ascontiguousarray(hf_block).reshape(-1).view(np.uint8), crc)
                         arrays[n.path][L.leaf_region(n, r0, r1)].write(n.to_jax(hf_block)).result()
                         del hf_block

@@ -22,6 +22,7 @@ from .loading import open_checked, resolve_dtype
 from .config import ModelConfig
 from .safetensors_io import Checkpoint
 from .sharding import batch_sharding, param_shardings, spec_for
+from .uncertainty import check_table_init, fresh_table
 
 
 def _read(ck: Checkpoint, n: PM.HFName, idx: tuple, dtype) -> np.ndarray:
@@ -40,11 +41,10 @@ def load_hf_sharded(directory: str, mesh: Mesh, dtype="float32", uncertainty_ini
                     seed: int = 0) -> tuple[dict, ModelConfig]:
     """`loading.load_hf`, but each leaf is born sharded on `mesh` (sharding.PARAM_AXES).
 
-    A plain Qwen3-VL checkpoint gets a fresh table: zeros (default), or `jax.random.normal(key(seed))·0.02`
-    generated in place (not the host RNG of `load_hf`, which would need the whole table on one host).
+    A plain Qwen3-VL checkpoint gets `uncertainty.fresh_table(seed)` — the same table as `load_hf` — created in
+    its sharding, so no device or host holds it whole.
     """
-    if uncertainty_init not in ("zeros", "normal"):
-        raise ValueError(f"uncertainty_init must be 'zeros' or 'normal', got {uncertainty_init!r}")
+    check_table_init(uncertainty_init)
     target = resolve_dtype(dtype)
     ck = Checkpoint(directory)
     try:
@@ -60,7 +60,7 @@ def load_hf_sharded(directory: str, mesh: Mesh, dtype="float32", uncertainty_ini
             sh = PM.get_path(shardings, path)
             entries = by_path.get(path)
             if entries is None:       # the uncertainty table of a plain Qwen3-VL checkpoint
-                arr = _fresh_table(shape, sh, out_dtype, uncertainty_init, seed)
+                arr = fresh_table(seed, shape, out_dtype, uncertainty_init, sharding=sh)
             elif entries[0].index is None:
                 n = entries[0]
                 arr = jax.make_array_from_callback(shape, sh, lambda idx, n=n: _read(ck, n, idx, out_dtype))
@@ -73,14 +73,6 @@ def load_hf_sharded(directory: str, mesh: Mesh, dtype="float32", uncertainty_ini
     finally:
         ck.close()
     return params, cfg
-
-
-def _fresh_table(shape, sharding, dtype, init: str, seed: int):
-    def make():
-        if init == "zeros":
-            return jnp.zeros(shape, dtype)
-        return (0.02 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
-    return jax.jit(make, out_shardings=sharding)()
 
 
 def init_sharded(cfg: ModelConfig, mesh: Mesh, key: jax.Array, dtype=jnp.float32,

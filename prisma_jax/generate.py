@@ -12,8 +12,9 @@ Shapes are bucketed so that few programs serve many requests: prompts are left-p
 itself is data. The cache has prompt_bucket + new_bucket slots; prompt tokens sit in slots [0, P), the token
 generated at step t (0-based) enters at slot P + t.
 
-Host side (`generate`): validate everything (ValueError) before any compile, pad, index the rope positions,
-run the two programs, fetch the buffers once. Not here: sampling math (sampling.py), tokenization (processing.py).
+Host side (`generate`): validate everything (ValueError) before any compile, pad (under a mesh, the rows too:
+to a multiple of its batch shards, with dummy rows whose outputs are dropped; they may keep the loop running
+to max_new_tokens), index the rope positions, run the two programs, fetch the buffers once. Not here: sampling math (sampling.py), tokenization (processing.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from . import model as M
 from .config import ModelConfig
 from .inputs import prepare
 from .sampling import SamplingParams, UncertaintyTemperature, check_sampling, greedy, sample
+from .sharding import batch_shards
 from .text import unstack_layers
 from .uncertainty import NONE, codes_from_entropy, entropy
 
@@ -190,6 +192,7 @@ class Plan(NamedTuple):
     pad: np.int32
     max_new: np.int32
     seed: int
+    rows: int | None = None  # the request's rows; `batch` may hold more (padding to the mesh's batch shards)
 
 
 def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
@@ -225,12 +228,20 @@ def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, im
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's maximum "
                          f"length {cfg.text.max_position_embeddings} (max_position_embeddings)")
 
-    # left-pad to the bucket; re-index (positions and the prompt rule do not change with left padding)
+    # left-pad to the bucket; re-index (positions and the prompt rule do not change with left padding).
+    # Under a mesh, rows are padded to a multiple of its batch shards with one-token text rows, whose outputs
+    # are dropped: the batch is split evenly, whatever the request's size.
     b, s = batch.input_ids.shape
     extra = bucket(s, prompt_floor) - s
     fill = pad_token_id if pad_token_id not in (cfg.image_token_id, cfg.video_token_id) else 0
     ids_p = np.concatenate([np.full((b, extra), fill, np.int64), batch.input_ids], axis=1)
     mask_p = np.concatenate([np.zeros((b, extra), bool), mask], axis=1)
+    mesh = jax.sharding.get_abstract_mesh()
+    more = 0 if mesh.empty else -b % batch_shards(mesh)
+    if more:
+        ids_p = np.concatenate([ids_p, np.full((more, ids_p.shape[1]), fill, np.int64)])
+        mask_p = np.concatenate([mask_p, np.zeros((more, mask_p.shape[1]), bool)])
+        mask_p[b:, -1] = True
     batch = prepare(cfg, ids_p, mask_p, pixel_values, image_grid_thw)
     if not introspection:
         batch = batch._replace(codes=np.full_like(batch.codes, NONE))
@@ -247,7 +258,7 @@ def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, im
     n_eos = max(4, -(-len(eos) // 4) * 4)                  # padded with −1 to a multiple of 4: few shapes
     eos_arr = np.asarray(eos + [-1] * (n_eos - len(eos)), np.int32)
     pad = np.int32(pad_token_id)
-    return Plan(spec, batch, next_pos.astype(np.int32), sp, eos_arr, pad, np.int32(max_new_tokens), int(seed))
+    return Plan(spec, batch, next_pos.astype(np.int32), sp, eos_arr, pad, np.int32(max_new_tokens), int(seed), b)
 
 
 def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pixel_values=None,
@@ -269,6 +280,9 @@ def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pix
     state = decode(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new)
     tokens, codes, ents, lengths, logits = jax.device_get(
         (state.tokens, state.codes, state.entropies, state.lengths, state.logits))
+    rows = slice(0, p.rows)
+    tokens, codes, ents, lengths = tokens[rows], codes[rows], ents[rows], lengths[rows]
+    logits = None if logits is None else logits[rows]
     t = int(lengths.max())
     return GenerateResult(np.asarray(tokens[:, :t], np.int32), np.asarray(codes[:, :t], np.uint16),
                           np.asarray(lengths, np.int32), np.asarray(ents[:, :t]) if return_entropies else None,

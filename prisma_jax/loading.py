@@ -1,8 +1,8 @@
 """Hugging Face safetensors checkpoint → parameter pytree (host NumPy), checked against its config.
 
 The table size decides `n_bits` (INTROSPECTION.md §1): a checkpoint with `model.uncertainty_embeddings.weight`
-of 2**k rows has n_bits = k; a plain Qwen3-VL checkpoint gets a fresh table (zeros by default, so the model
-reproduces Qwen3-VL exactly, or normal(0, 0.02) on request).
+of 2**k rows has n_bits = k; a plain Qwen3-VL checkpoint gets a fresh table (`uncertainty.fresh_table`: zeros by
+default, so the model reproduces Qwen3-VL exactly, or normal(0, 0.02) from `seed` on request).
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig, load_hf_config
-from .params import UNCERTAINTY_KEY, get_path, hf_names, param_shapes, set_path, flatten
+from .params import TABLE_PATH, UNCERTAINTY_KEY, get_path, hf_names, param_shapes, set_path, flatten
 from .safetensors_io import Checkpoint, CheckpointError
+from .uncertainty import check_table_init, fresh_table
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float16": np.dtype(np.float16)}
@@ -100,6 +101,7 @@ def load_hf(directory: str, dtype="float32", uncertainty_init: str = "zeros", se
     `progress(n)` is called after each tensor with its byte count (for progress bars).
     """
     target = resolve_dtype(dtype)
+    check_table_init(uncertainty_init)
     with Checkpoint(directory) as ck:
         cfg, names = open_checked(ck, directory)
         shapes = param_shapes(cfg)
@@ -120,12 +122,6 @@ def load_hf(directory: str, dtype="float32", uncertainty_init: str = "zeros", se
             if progress:
                 progress(arr.nbytes)
         if UNCERTAINTY_KEY not in ck.where:
-            table = get_path(params, ("uncertainty", "embedding"))
-            if uncertainty_init == "zeros":
-                table[...] = 0
-            elif uncertainty_init == "normal":
-                rng = np.random.default_rng(seed)
-                table[...] = (0.02 * rng.standard_normal(table.shape, np.float32)).astype(out_dtype)
-            else:
-                raise ValueError(f"uncertainty_init must be 'zeros' or 'normal', got {uncertainty_init!r}")
+            table = get_path(params, TABLE_PATH)
+            table[...] = np.asarray(fresh_table(seed, table.shape, out_dtype, uncertainty_init))
     return params, cfg

@@ -29,6 +29,7 @@ import numpy as np
 from .config import ModelConfig
 
 Path = tuple[str, ...]
+TABLE_PATH: Path = ("uncertainty", "embedding")
 
 
 def _dense(d_in, d_out, bias=True, stack=()):
@@ -126,14 +127,20 @@ def _leaf_init(path: Path, uncertainty_init: str) -> str:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02,
                 uncertainty_init: str = "normal") -> dict:
     """Random parameters (traceable: jit it, e.g. with `out_shardings`): normal(0, std) matrices, ones for norm
-    scales, zeros for biases. `uncertainty_init`: "normal" (a fresh table, INTROSPECTION.md §1) or "zeros"
-    (reproduces Qwen3-VL)."""
+    scales, zeros for biases. `uncertainty_init`: "normal" (a fresh table, INTROSPECTION.md §1: drawn by
+    `uncertainty.table_rows` from `key`, so `key = jax.random.key(seed)` gives `uncertainty.fresh_table(seed)`)
+    or "zeros" (reproduces Qwen3-VL)."""
+    from .uncertainty import check_table_init, table_rows
+
+    check_table_init(uncertainty_init)
     shapes = list(flatten(param_shapes(cfg)))
     keys = jax.random.split(key, len(shapes))
     out: dict = {}
     for (path, shape), k in zip(shapes, keys):
         kind = _leaf_init(path, uncertainty_init)
-        if kind == "normal":
+        if path == TABLE_PATH and kind == "normal":     # the one fresh-table stream, from `key` itself
+            x = table_rows(key, 0, shape[0], shape[1], dtype)
+        elif kind == "normal":
             x = (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
         else:
             x = (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
@@ -144,12 +151,18 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
 def init_params_numpy(cfg: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.02,
                       uncertainty_init: str = "normal") -> dict:
     """The same distribution drawn on the host with NumPy: no XLA compile (threefry programs for dozens of
-    leaves take tens of seconds to compile on CPU), for eager single-host construction."""
+    leaves take tens of seconds to compile on CPU), for eager single-host construction. The uncertainty table
+    is the exception: `uncertainty.fresh_table(seed)` (one small program), the table of every other path."""
+    from .uncertainty import check_table_init, fresh_table
+
+    check_table_init(uncertainty_init)
     rng = np.random.default_rng(seed)
     out: dict = {}
     for path, shape in flatten(param_shapes(cfg)):
         kind = _leaf_init(path, uncertainty_init)
-        if kind == "normal":
+        if path == TABLE_PATH and kind == "normal":     # one small jitted program: the same table as init_params
+            x = np.asarray(fresh_table(seed, shape, dtype))
+        elif kind == "normal":
             x = (np.float32(std) * rng.standard_normal(shape, np.float32)).astype(dtype)
         else:
             x = (np.ones if kind == "ones" else np.zeros)(shape, dtype)

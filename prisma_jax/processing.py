@@ -12,7 +12,7 @@ demos, Qwen special tokens included.
                                                       {"type": "text", "text": "hello"}]}]])
     enc["input_ids"], enc["attention_mask"], enc["pixel_values"], enc["image_grid_thw"]
 
-Not here: labels / loss masks beyond `assistant_mask`, video, any device work.
+Not here: labels / loss masks beyond `encode_supervised`, video, any device work.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
                   "<|image_pad|>", "<|video_pad|>", "<|vision_pad|>")
 UNK = "<unk>"
 ROLES = ("system", "user", "assistant")
+ASSISTANT_HEADER = "<|im_start|>assistant\n"    # what the chat template puts before every assistant reply
 
 # ChatML as in Qwen3-VL Instruct: no default system prompt; image item → vision_start image_pad vision_end.
 CHAT_TEMPLATE = (
@@ -234,27 +235,44 @@ class Processor:
     def batch_decode(self, rows, skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(r, skip_special_tokens) for r in rows]
 
-    def assistant_mask(self, input_ids) -> np.ndarray:
-        """[B, S] bool: the tokens of assistant turns — after each `<|im_start|>assistant\\n` header up to and
-        including its `<|im_end|>` (what training supervises)."""
-        header = self.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        ids = np.asarray(input_ids)
-        mask = np.zeros(ids.shape, bool)
-        n = len(header)
-        for r, row in enumerate(ids):
-            i = 0
-            while i <= len(row) - n:
-                if list(row[i:i + n]) == header:
-                    j = i + n
-                    while j < len(row):
-                        mask[r, j] = True
-                        if row[j] == self.ids["im_end_id"]:
-                            break
-                        j += 1
-                    i = j + 1
-                else:
-                    i += 1
-        return mask
+    def encode_supervised(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """A templated conversation (images already expanded) → ids [n] int64 and supervised [n] bool: the
+        assistant replies, from after each `<|im_start|>assistant\n` header up to and including its
+        `<|im_end|>` (what training supervises).
+
+        Each reply is tokenized apart from the text before it, as at generation time, where the prompt ends
+        with the header and the reply's tokens follow it. Tokenizing the whole text instead lets a byte-level
+        BPE merge the header's newline with a reply that starts with a newline (Qwen splits `\n\n` as one
+        piece), so no token would be exactly the reply's and the model would learn tokens it never sees."""
+        ids: list[int] = []
+        sup: list[bool] = []
+        pos = 0
+        for a, b in assistant_spans(text):
+            for piece, flag in ((text[pos:a], False), (text[a:b], True)):
+                if piece:
+                    t = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+                    ids += t
+                    sup += [flag] * len(t)
+            pos = b
+        if pos < len(text):
+            t = self.tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
+            ids += t
+            sup += [False] * len(t)
+        return np.asarray(ids, np.int64), np.asarray(sup, bool)
+
+
+def assistant_spans(text: str, header: str = ASSISTANT_HEADER, end: str = "<|im_end|>") -> list[tuple[int, int]]:
+    """Character spans [a, b) of the assistant replies of a ChatML text: from after each `header` up to and
+    including the next `end` (or to the end of an unterminated last reply)."""
+    spans = []
+    i = text.find(header)
+    while i >= 0:
+        a = i + len(header)
+        j = text.find(end, a)
+        b = len(text) if j < 0 else j + len(end)
+        spans.append((a, b))
+        i = text.find(header, b)
+    return spans
 
 
 def pad(rows: list[list[int]], pad_id: int, side: str = "left") -> tuple[np.ndarray, np.ndarray]:

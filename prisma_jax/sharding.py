@@ -15,13 +15,17 @@ Why the big tables are laid out as they are (docs/sharding.md has the long form)
 the entropy of INTROSPECTION.md §2 (max, Σexp, Σexp·z over the vocabulary) is combined from per-shard
 partial reductions without forming `[B, V]` anywhere.
 
-A dimension that a mesh axis does not divide stays replicated over that axis (`spec_for`), so odd batch
-sizes and tiny test models run on any mesh. With no mesh active (`jax.set_mesh`), `constrain` is the
-identity, so single-device code pays nothing. This module places nothing on devices (see `distribute.py`).
+A batch dimension that the batch axes (data × fsdp) do not divide is an error naming the sizes (`spec_for`,
+raised on the host while batches are placed or a program is traced); generation pads its rows to a multiple
+instead (generate.py). Any other dimension that a mesh axis does not divide stays replicated over that axis,
+with one log line (`logging`, once per logical axis, dimension and mesh), so tiny test models run on any mesh.
+With no mesh active (`jax.set_mesh`), `constrain` is the identity, so single-device code pays nothing. This
+module places nothing on devices (see `distribute.py`).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Mapping
 
@@ -31,6 +35,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+log = logging.getLogger(__name__)
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
 LOGICAL_RULES: dict[str, object] = {
@@ -185,24 +190,51 @@ def _axis_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def batch_shards(mesh, rules: dict | None = None) -> int:
+    """How many ways the batch axes split a batch on `mesh`: every batch dimension must be a multiple."""
+    rules = LOGICAL_RULES if rules is None else rules
+    return _axis_size(mesh, [a for a in _axes_of(rules["batch"]) if a in mesh.shape])
+
+
+_logged: set = set()
+
+
+def _log_replicated(name, dim: int, dropped: list, mesh) -> None:
+    key = (name, int(dim), tuple(sorted(dict(mesh.shape).items())))
+    if key in _logged:
+        return
+    _logged.add(key)
+    sizes = " × ".join(f"{a}={mesh.shape[a]}" for a in dropped)
+    log.warning("sharding: logical axis %r of size %d is not divisible by mesh axis %s; replicated over it",
+                name, dim, sizes)
+
+
 def spec_for(shape, logical: tuple, mesh=None, rules: dict | None = None) -> P:
-    """The PartitionSpec of an array with these logical axes. With `mesh` (concrete or abstract), a mesh axis
-    that does not divide its dimension, or that an earlier dimension already uses, is dropped."""
+    """The PartitionSpec of an array with these logical axes. With `mesh` (concrete or abstract): a batch
+    dimension that its mesh axes do not divide is a ValueError naming the sizes; on any other dimension such
+    an axis is dropped (replicated, logged once), as is an axis that an earlier dimension already uses."""
     rules = LOGICAL_RULES if rules is None else rules
     if len(logical) != len(shape):
         raise ValueError(f"logical axes {logical} do not match shape {tuple(shape)}")
     used: set = set()
     out = []
     for dim, name in zip(shape, logical):
-        target = None if name is None else rules[name]
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        keep = []
+        axes = () if name is None else _axes_of(rules[name])
+        keep, dropped = [], []
         for a in axes:
-            if a in used:
+            if a in used or (mesh is not None and a not in mesh.shape):
                 continue
-            if mesh is not None and (a not in mesh.shape or dim % (_axis_size(mesh, keep) * mesh.shape[a])):
+            if mesh is not None and dim % (_axis_size(mesh, keep) * mesh.shape[a]):
+                dropped.append(a)
                 continue
             keep.append(a)
+        if dropped and name == "batch":
+            split = [a for a in axes if a in mesh.shape and a not in used]
+            sizes = " × ".join(f"{a}={mesh.shape[a]}" for a in split)
+            raise ValueError(f"batch dimension {dim} (of shape {tuple(shape)}) is not a multiple of the mesh's "
+                             f"batch shards {sizes} = {_axis_size(mesh, split)}; use a batch that is")
+        if dropped:
+            _log_replicated(name, dim, dropped, mesh)
         used.update(keep)
         out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
     return P(*out)

@@ -1,6 +1,8 @@
 """The introspective mechanism, all of it (INTROSPECTION.md, section by section).
 
 §1  A table `U [L, hidden]`, L = 2**n_bits, lives at `params["uncertainty"]["embedding"]`. Neutral code N = L/2.
+    `fresh_table` / `table_rows`: the one initialisation of a new table (zeros, or normal(0, 0.02) from a seed),
+    used by every path that creates one — random init, both Hugging Face loaders, hf-to-orbax conversion.
 §2  `codes_from_logits`: the float32 natural-log entropy of each next-token distribution, normalised by ln V,
     clipped to [0, 1] and floored onto L levels, as uint16. Written as reductions over the vocabulary axis
     (max, Σexp, Σexp·z), so with vocab-sharded logits XLA combines per-shard partial sums and never gathers
@@ -15,6 +17,7 @@ Codes travel as int32 with −1 for "none" wherever "none" is possible, and as u
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -24,6 +27,50 @@ import numpy as np
 from .sharding import take_rows
 
 NONE = -1  # "no injection"
+TABLE_STD = 0.02
+TABLE_INITS = ("zeros", "normal")
+_TABLE_STREAM = 0x7AB1E5   # fold_in tag of the table's stream: far above the leaf count init_params splits into
+
+
+# ---------------------------------------------------------------------------------------------- §1 a fresh table
+
+def check_table_init(init: str) -> str:
+    if init not in TABLE_INITS:
+        raise ValueError(f"uncertainty_init must be 'zeros' or 'normal', got {init!r}")
+    return init
+
+
+def table_rows(key: jax.Array, start, n_rows: int, hidden: int, dtype=jnp.float32) -> jax.Array:
+    """Rows [start, start + n_rows) of the normal table drawn from `key` (traceable). Row r is
+    TABLE_STD·normal(fold_in(k, r)) with k = fold_in(key, tag): each row is its own stream, so a block of rows
+    (conversion), a sharded program (each device draws its own rows) and the whole table give the same numbers."""
+    k = jax.random.fold_in(key, _TABLE_STREAM)
+    rows = jnp.asarray(start, jnp.uint32) + jnp.arange(n_rows, dtype=jnp.uint32)
+    draw = lambda r: jax.random.normal(jax.random.fold_in(k, r), (hidden,), jnp.float32)   # noqa: E731
+    return (jnp.float32(TABLE_STD) * jax.vmap(draw)(rows)).astype(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _table_program(n_rows: int, hidden: int, dtype, init: str, sharding):
+    if init == "zeros":
+        fn = lambda key, start: jnp.zeros((n_rows, hidden), dtype)   # noqa: E731
+    else:
+        fn = lambda key, start: table_rows(key, start, n_rows, hidden, dtype)   # noqa: E731
+    return jax.jit(fn) if sharding is None else jax.jit(fn, out_shardings=sharding)
+
+
+def fresh_table(seed: int, shape: tuple[int, int], dtype=jnp.float32, init: str = "normal", sharding=None,
+                rows: tuple[int, int] | None = None) -> jax.Array:
+    """The table of a model that has none: zeros (the model then reproduces Qwen3-VL) or `table_rows` from
+    `jax.random.key(seed)` — the same values as `params.init_params(cfg, jax.random.key(seed))`'s table.
+    `sharding`: created directly in it (no device or host holds the whole table); `rows=(r0, r1)`: only that
+    block (a streaming writer). One compiled program per shape, dtype and sharding."""
+    check_table_init(init)
+    r0, r1 = (0, shape[0]) if rows is None else rows
+    if not 0 <= r0 < r1 <= shape[0]:
+        raise ValueError(f"rows {rows} outside the table's {shape[0]} rows")
+    fn = _table_program(r1 - r0, int(shape[1]), jnp.dtype(dtype), init, sharding)
+    return fn(jax.random.key(int(seed)), np.uint32(r0))
 
 
 def entropy(logits: jax.Array) -> jax.Array:

@@ -5,6 +5,7 @@ stays single-device. The parent sets XLA_FLAGS (device count) before this import
     python sharding_worker.py mh_train PORT PID OUT   # one of two processes × 4 devices: train step + save
     python sharding_worker.py mh_restore PORT PID OUT # one of two fresh processes: restore + check
     python sharding_worker.py tpu OUT                 # tiny-model TPU ahead-of-time compile (v5p:2x2x1)
+    python sharding_worker.py table CKPT SEED OUT     # 8 CPU devices: fresh tables on the mesh, batch rules
 
 Results go to OUT (JSON + .npz); the tests assert on them against the single-device numbers.
 """
@@ -209,6 +210,56 @@ def scenario_tpu(out: str) -> None:
         json.dump(res, f)
 
 
+def scenario_table(ckpt: str, seed: str, out: str) -> None:
+    """CKPT: a plain Qwen3-VL checkpoint (no table). The fresh tables that the mesh paths create for SEED, how
+    they are split, and what the batch rules say at each boundary (forward, generation, training)."""
+    import dataclasses
+
+    import jax
+
+    from prisma_jax import multihost
+    from prisma_jax.api import PrismaVL
+    from prisma_jax.sharding import MeshSpec
+    from train import loop
+
+    assert len(jax.devices()) == 8
+    seed = int(seed)
+    res: dict = {}
+    fc = PrismaVL.from_config(ckpt, seed=seed, mesh=MESH)
+    hf = PrismaVL.from_pretrained(ckpt, uncertainty_init="normal", seed=seed, mesh=MESH)
+    tables = {"from_config_mesh": fc.params["uncertainty"]["embedding"],
+              "hf_mesh": hf.params["uncertainty"]["embedding"]}
+    res["table_shards"] = {k: [list(t.shape), sorted({tuple(s.data.shape) for s in t.addressable_shards}),
+                               len(t.addressable_shards)] for k, t in tables.items()}
+
+    def error(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    ids = np.random.default_rng(1).integers(7, hf.config.text.vocab_size, (3, 10))
+    res["forward_odd_batch"] = error(lambda: hf.forward(ids))
+    res["forward_even_batch"] = error(lambda: hf.forward(np.concatenate([ids, ids[:1]])))
+    one = PrismaVL.from_pretrained(ckpt, uncertainty_init="normal", seed=seed)
+    g1, g8 = one.generate(ids, max_new_tokens=5), hf.generate(ids, max_new_tokens=5)
+    res["generate_odd_batch_shape"] = list(g8.tokens.shape)
+    res["generate_odd_batch_equal"] = bool(np.array_equal(g1.tokens, g8.tokens) and np.array_equal(g1.codes, g8.codes)
+                                           and np.array_equal(g1.lengths, g8.lengths))
+    mesh = hf.mesh
+    res["host_batch_odd_rows"] = error(lambda: multihost.host_batch(np.zeros((1, 6, 4), np.int32), mesh, batch_axis=1))
+    res["host_rows_odd_batch"] = error(lambda: multihost.host_rows(mesh, 6))
+    tcfg = tiny_train_cfg()
+    bad = dataclasses.replace(tcfg, train=dataclasses.replace(tcfg.train, batch_size=12, grad_accum=2,
+                                                              mesh=MeshSpec(2, 2, 2)))
+    res["train_odd_micro_batch"] = error(lambda: loop.run(bad, os.path.join(os.path.dirname(out), "loop"),
+                                                          progress=False, log=lambda *a: None))
+    np.savez(out + ".npz", **{k: np.asarray(t) for k, t in tables.items()})
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "mesh":
@@ -217,5 +268,7 @@ if __name__ == "__main__":
         scenario_multihost(mode, *sys.argv[2:5])
     elif mode == "tpu":
         scenario_tpu(sys.argv[2])
+    elif mode == "table":
+        scenario_table(*sys.argv[2:5])
     else:
         raise SystemExit(f"unknown scenario {mode}")

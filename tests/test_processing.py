@@ -89,10 +89,98 @@ def test_assistant_mask_covers_assistant_turns_only(proc_dir):
     text = p.apply_chat_template([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"},
                                   {"role": "user", "content": "this"}, {"role": "assistant", "content": "image."}],
                                  add_generation_prompt=False)
-    enc = p(text=[text])
-    toks = p.tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
-    got = [t for t, m in zip(toks, p.assistant_mask(enc["input_ids"])[0]) if m]
+    ids, sup = p.encode_supervised(text)
+    np.testing.assert_array_equal(ids, p(text=[text])["input_ids"][0])    # word-level: nothing can merge
+    toks = p.tokenizer.convert_ids_to_tokens(ids.tolist())
+    got = [t for t, m in zip(toks, sup) if m]
     assert got == ["world", "<|im_end|>", "image.", "<|im_end|>"]
+
+
+# ------------------------------------------------------------------ a byte-level BPE with Qwen's pre-tokenizer
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+REPLIES = [" Hello there.", "\nHello", "\n\nA list:\n- one\n- two", ".", "!? yes", "  \n indented", "...and so on",
+           "\tTabbed", "\n", "Plain words, then a newline\n"]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    """Qwen2's tokenizer recipe in small: its split regex, byte-level BPE (trained here on ~4 kB of chat-like
+    text, newlines and punctuation runs included), the Qwen special tokens and the Qwen chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from prisma_jax.processing import CHAT_TEMPLATE, SPECIAL_TOKENS
+    rng = np.random.default_rng(0)
+    words = ["hello", "there", "list", "one", "two", "yes", "indented", "and", "so", "on", "plain", "words", "then",
+             "a", "newline", "user", "assistant", "system", "tabbed", "what", "is", "this", "question"]
+    seps = [" ", "\n", "\n\n", ". ", "...", "!? ", ":\n- ", "  \n ", "\t", ", "]
+    corpus = ["<|im_start|>assistant\n\n" + "".join(str(rng.choice(words)) + str(rng.choice(seps)) for _ in range(12))
+              for _ in range(60)]
+    assert 3000 < sum(map(len, corpus)) < 12000
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=list(SPECIAL_TOKENS),
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    d = str(tmp_path_factory.mktemp("bpe"))
+    fast.save_pretrained(d)
+    return d
+
+
+def expected_encoding(p, conv):
+    """Independent of `encode_supervised`: the template rendered message by message. Prompt text up to each
+    generation prompt, then the reply text with its end token, each tokenized alone — what a model generating
+    that reply after that prompt would produce."""
+    tok = lambda t: p.tokenizer(t, add_special_tokens=False)["input_ids"]   # noqa: E731
+    ids, sup, done = [], [], ""
+    for k, msg in enumerate(conv):
+        if msg["role"] != "assistant":
+            continue
+        prompt = p.apply_chat_template(conv[:k], add_generation_prompt=True)
+        assert prompt.startswith(done)
+        ids += tok(prompt[len(done):])
+        sup += [False] * (len(ids) - len(sup))
+        ids += tok(msg["content"]) + [p.ids["im_end_id"]]
+        sup += [True] * (len(ids) - len(sup))
+        done = prompt + msg["content"] + "<|im_end|>"
+    full = p.apply_chat_template(conv, add_generation_prompt=False)
+    assert full.startswith(done)
+    ids += tok(full[len(done):])
+    sup += [False] * (len(ids) - len(sup))
+    return full, np.array(ids), np.array(sup)
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+def test_supervised_tokens_are_exactly_the_reply_with_a_bpe_tokenizer(bpe_dir, reply):
+    p = Processor.from_pretrained(bpe_dir)
+    conv = [{"role": "user", "content": "what is this question"}, {"role": "assistant", "content": reply},
+            {"role": "user", "content": "hello"}, {"role": "assistant", "content": reply + " yes"}]
+    text, want_ids, want_sup = expected_encoding(p, conv)
+    ids, sup = p.encode_supervised(text)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(sup, want_sup)
+    # the supervised tokens decode to the replies and their end tokens, nothing of the headers
+    got = [p.tokenizer.decode(ids[a:b].tolist()) for a, b in _runs(sup)]
+    assert got == [reply + "<|im_end|>", reply + " yes<|im_end|>"]
+    # the prompt tokens are those of the generation prompt
+    gen = p(messages=conv[:1])["input_ids"][0]
+    np.testing.assert_array_equal(ids[:len(gen)], gen)
+    assert not sup[:len(gen)].any() and sup[len(gen)]
+    if reply.startswith("\n"):      # the case that needs the split: the whole text merges header and reply
+        whole = p.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert whole[:len(gen)] != gen.tolist()
+
+
+def _runs(mask):
+    """[a, b) index runs where mask is True."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    return list(zip(edges[::2], edges[1::2]))
 
 
 def test_bad_inputs(proc_dir, tmp_path):

@@ -1,5 +1,6 @@
 """The sharding tables and the plan's arithmetic, in-process and single-device (the multi-device runs are in
 test_sharding_mesh.py / _multihost.py / _tpu.py, each in subprocesses)."""
+import logging
 import math
 import os
 
@@ -11,7 +12,8 @@ from prisma_jax.cli import main
 from prisma_jax.config import load_config
 from prisma_jax.params import flatten, param_shapes
 from prisma_jax.plan import all_gathers, forbidden_gathers, matmul_params, train_flops
-from prisma_jax.sharding import (LOGICAL_RULES, PARAM_AXES, PRESETS, MeshSpec, param_axes, spec_for, take_rows)
+from prisma_jax.sharding import (CACHE_AXES, LOGICAL_RULES, PARAM_AXES, PRESETS, MeshSpec, batch_shards, param_axes,
+                                 spec_for, take_rows)
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 CFG8 = load_config(os.path.join(ROOT, "configs", "prisma_vl_8b.yaml"))
@@ -70,10 +72,32 @@ def test_big_tables_are_split_rows_on_tensor_columns_on_fsdp():
     assert tuple(spec_for((v, d), PARAM_AXES["text/embed/embedding"], mesh)) == ("tensor", "fsdp")
     assert tuple(spec_for((d, v), PARAM_AXES["lm_head/kernel"], mesh)) == ("fsdp", "tensor")
     assert tuple(spec_for((lv, d), PARAM_AXES["uncertainty/embedding"], mesh)) == ("tensor", "fsdp")
-    # a batch the batch axes do not divide stays replicated over the axis that fails
-    assert tuple(spec_for((6, 5), ("batch", None), mesh)) == ("data", None)
-    assert tuple(spec_for((3, 5), ("batch", None), mesh)) == (None, None)
     assert tuple(spec_for((8, 5), ("batch", None), mesh)) == (("data", "fsdp"), None)
+
+
+def test_a_batch_the_mesh_does_not_divide_is_an_error_naming_the_sizes():
+    mesh = FakeMesh(data=2, fsdp=2, tensor=2)
+    for shape, logical in [((6, 5), ("batch", None)), ((3, 5), ("batch", None)), ((2, 3, 16), (None, "batch", None)),
+                           ((3, 2, 7, 2, 32), CACHE_AXES)]:
+        dim = shape[logical.index("batch")]
+        with pytest.raises(ValueError, match=rf"batch dimension {dim} .* data=2 × fsdp=2 = 4"):
+            spec_for(shape, logical, mesh)
+    assert batch_shards(mesh) == 4 and batch_shards(FakeMesh(data=1, fsdp=8, tensor=1)) == 8
+    assert tuple(spec_for((6, 5), ("batch", None), FakeMesh(data=2, fsdp=3, tensor=1))) == (("data", "fsdp"), None)
+
+
+def test_other_dimensions_the_mesh_does_not_divide_are_replicated_with_one_log_line(caplog):
+    mesh = FakeMesh(data=1, fsdp=2, tensor=3)
+    with caplog.at_level(logging.WARNING, logger="prisma_jax.sharding"):
+        for _ in range(3):                                    # traced in a loop: still one line
+            assert tuple(spec_for((128, 64), ("vocab", "hidden"), mesh)) == (None, "fsdp")
+        assert tuple(spec_for((129, 64), ("vocab", "hidden"), mesh)) == ("tensor", "fsdp")   # 3 divides 129
+        assert tuple(spec_for((131, 64), ("vocab", "hidden"), mesh)) == (None, "fsdp")
+        assert tuple(spec_for((128, 64), ("vocab", "hidden"), FakeMesh(data=1, fsdp=2, tensor=5))) == (None, "fsdp")
+    lines = [r.getMessage() for r in caplog.records if r.name == "prisma_jax.sharding"]
+    assert lines == ["sharding: logical axis 'vocab' of size 128 is not divisible by mesh axis tensor=3; replicated over it",
+                     "sharding: logical axis 'vocab' of size 131 is not divisible by mesh axis tensor=3; replicated over it",
+                     "sharding: logical axis 'vocab' of size 128 is not divisible by mesh axis tensor=5; replicated over it"]
 
 
 def test_take_rows_without_mesh_is_take():

@@ -118,6 +118,57 @@ def test_freeze_groups_select_their_leaves():
             assert frozen == (group not in trained), (freeze, keys)
 
 
+def test_weight_decay_by_name_with_zero_gradient():
+    """No supervised token → a zero gradient, so an AdamW step is its decoupled decay alone: kernels and
+    embeddings become p − lr·(wd·p) in float32 (optax's order: (0 + wd·p), times −lr, added to p), norm scales
+    and biases — 2-D once stacked per layer — stay bit-identical. Warmup 2: the first step's lr is 0 (nothing
+    moves), the second's is the linear warmup at count 1, (0 − lr)·½ + lr, exact in float32."""
+    lr, wd = 1e-2, 0.1
+    cfg = config_from_raw({"model": TINY, "train": {"steps": 10, "batch_size": 2, "seq_len": 8,
+                                                    "introspection_passes": 1},
+                           "optimizer": {"lr": lr, "warmup_steps": 2, "weight_decay": wd},
+                           "data": {"source": "synthetic", "max_images": 0}})
+    rng = np.random.default_rng(0)
+    params = init_params_numpy(cfg.model, seed=0)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:     # scales ≠ 1 and biases ≠ 0, so decay shows
+        if path[-1].key in ("scale", "bias"):
+            x[...] = (path[-1].key == "scale") + 0.1 * rng.standard_normal(x.shape, np.float32)
+    assert params["text"]["layers"]["input_norm"]["scale"].ndim == 2          # stacked: what ndim ≥ 2 decayed
+    assert params["vision"]["blocks"]["norm1"]["bias"].ndim == 2
+    rows = [{"ids": np.arange(10, 18, dtype=np.int32), "mask": np.ones(8, bool), "supervised": np.zeros(8, bool),
+             "pixels": None} for _ in range(2)]
+    batch = Collate(cfg, 2)(rows)
+    assert (batch.targets < 0).all()
+    fn = jax.jit(S.make_train_step(cfg))
+    st = S.init_state(cfg, params)
+    for _ in range(2):
+        st, m = fn(st, batch)
+    assert float(m["grad_norm"]) == 0.0
+    lr1 = np.float32(-lr) * np.float32(1 - 1 / 2) + np.float32(lr)     # optax linear warmup at count 1
+    assert lr1 == np.float32(lr) / 2
+    decayed = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        got = _leaf(st.params, path)
+        name = path[-1].key
+        if name in ("scale", "bias"):
+            np.testing.assert_array_equal(got, x, err_msg=jax.tree_util.keystr(path))
+        else:
+            assert name in ("kernel", "embedding")
+            want = x + np.float32(-lr1) * (np.float32(wd) * x)
+            # XLA folds −lr·wd into one scalar and fuses the multiply-add: at most one rounding (1 ulp of p,
+            # ~1e-7 relative) from optax's literal order; the decay itself is lr·wd = 5e-4 relative
+            np.testing.assert_array_max_ulp(got, want, maxulp=1)
+            assert not np.array_equal(got, x)
+            decayed += 1
+    assert decayed == 17 + 3       # the kernels, and the token / vision-position / uncertainty tables
+
+
+def _leaf(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return np.asarray(tree)
+
+
 # ----------------------------------------------------------------- the introspection semantics, sequentially
 
 

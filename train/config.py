@@ -3,7 +3,8 @@
 A training YAML holds the model (`model:`, prisma_jax/config.py's schema) and four sections of ours:
 
     train:      steps, batch size, sequence length, accumulation, introspection passes, dtype, remat, freezing
-    optimizer:  AdamW + warmup-cosine + global-norm clipping
+    optimizer:  AdamW + warmup-cosine + global-norm clipping; weight decay on kernels and embedding tables
+                (token embedding, position embedding, uncertainty table), never on norm scales or biases
     data:       source (jsonl | synthetic | tiny_sft), processor directory, image size, bad-input policies
     checkpoint: how often, how many kept, asynchronous or not
 
@@ -50,7 +51,7 @@ class OptimizerSection:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0           # decoupled; applied to matrices only (ndim ≥ 2)
+    weight_decay: float = 0.0           # decoupled; kernels and embedding tables only (train/step.py)
     clip_norm: float | None = 1.0       # global-norm clipping; null = off
 
 

@@ -14,7 +14,8 @@ Shapes are fixed so the jitted step compiles once:
 
 Text is tokenized once, in the index pass at start (cheap, and malformed lines or missing images fail before
 step 1, naming file and line); image decoding is lazy, in grain's read threads. Supervised tokens are the
-assistant turns (`Processor.assistant_mask`): `targets[i] = ids[i+1]` where token i+1 is supervised.
+assistant replies, each tokenized on its own as at generation time (`Processor.encode_supervised`):
+`targets[i] = ids[i+1]` where token i+1 is supervised.
 The order is a pure function of `train.seed`; the iterator state (grain's, a small dict) goes into every
 checkpoint. `synthetic` draws tokens from a generator seeded by (seed, record index): no files at all.
 """
@@ -161,8 +162,7 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
                 continue
             text = processor.apply_chat_template(rec["messages"], add_generation_prompt=False)
             text = expand_image_tokens(text, [grid] * len(images), cfg.model.vision.spatial_merge_size)
-            ids = np.asarray(processor.tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
-            sup = processor.assistant_mask(ids[None])[0]
+            ids, sup = processor.encode_supervised(text)
             if ids.size and (ids.min() < 0 or ids.max() >= cfg.model.text.vocab_size):
                 raise ValueError(f"{where}: token id {int(ids.max())} outside the model vocabulary "
                                  f"{cfg.model.text.vocab_size} (processor and model disagree)")

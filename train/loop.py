@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from prisma_jax.sharding import batch_shards
+
 from . import data as data_mod, sharded
 from .config import Config
 from .step import TrainState, init_state, make_train_step
@@ -136,10 +138,16 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
     stop_at = cfg.train.steps if stop_at is None else stop_at
     if stop_at < 1:
         raise ValueError(f"--steps must be ≥ 1, got {stop_at}")
+    mesh = sharded.mesh_of(cfg)
+    if mesh is not None:
+        t, n = cfg.train, batch_shards(mesh)
+        if (t.batch_size // t.grad_accum) % n:
+            raise ValueError(f"train.batch_size {t.batch_size} / train.grad_accum {t.grad_accum} = "
+                             f"{t.batch_size // t.grad_accum} rows per micro-batch is not a multiple of the mesh's "
+                             f"{n} batch shards (data × fsdp of {dict(mesh.shape)})")
     dataset, info = data_mod.build(cfg, workdir)
     iterator = iter(dataset)
     mngr = _manager(cfg, workdir)
-    mesh = sharded.mesh_of(cfg)
     try:
         state = restore_or_init(cfg, mngr, iterator, mesh)
         start = int(state.step)

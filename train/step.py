@@ -5,6 +5,9 @@
         last pass with gradients: logits → cross-entropy over supervised targets (sum)
     grads / (supervised tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
 
+Weight decay (decoupled, AdamW's) applies to kernels and embedding tables (the uncertainty table included),
+never to norm scales or biases, chosen by leaf name (`decay_mask`), so stacked layers change nothing.
+
 Master weights and optimizer state are float32; `compute_dtype` bfloat16 casts a copy of the params for the
 forward and backward (gradients arrive in float32 through the cast). Frozen groups are stop-gradient'd in
 the forward and get `optax.set_to_zero` updates, so they do not move by a single bit. `remat` picks what the
@@ -70,10 +73,24 @@ def frozen_mask(cfg: Config, params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(is_frozen, params)
 
 
+DECAYED, NOT_DECAYED = ("kernel", "embedding"), ("scale", "bias")   # leaf names (params.py layout)
+
+
+def decay_mask(params: dict) -> dict:
+    """Same tree as params, True where weight decay applies: chosen by leaf name, not rank — kernels and
+    embedding tables decay, norm scales and biases never (stacked per-layer ones are 2-D, yet still not)."""
+    def decayed(path, _):
+        name = getattr(path[-1], "key", None)
+        if name not in DECAYED + NOT_DECAYED:
+            raise ValueError(f"no weight-decay rule for parameter {jax.tree_util.keystr(path)} (leaf name "
+                             f"{name!r}; decayed: {DECAYED}, not decayed: {NOT_DECAYED})")
+        return name in DECAYED
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
 def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
     o = cfg.optimizer
-    decay = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)   # noqa: E731  matrices only
-    tx = optax.adamw(schedule(cfg), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay)
+    tx = optax.adamw(schedule(cfg), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if o.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
     labels = jax.tree.map(lambda f: "frozen" if f else "train", frozen_mask(cfg, params))
