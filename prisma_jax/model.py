@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .rope import mrope_cos_sin
 from .sharding import constrain, take_rows
-from .text import DeepStack, decoder
+from .text import DeepStack, decoder, image_features
 from .uncertainty import inject
-from .vision import VisionGeometry, vision_tower
+from .vision import VisionGeometry, tile_geometry, vision_tower
 
 
 class Batch(NamedTuple):
@@ -26,22 +26,37 @@ class Batch(NamedTuple):
     attention_mask: jax.Array            # [B, S] bool
     codes: jax.Array                     # [B, S] int32 incoming uncertainty codes, −1 = none
     positions: jax.Array                 # [3, B, S] int32 M-RoPE positions
-    pixel_values: jax.Array | None = None   # [N_patch, C·T·P·P]
-    geometry: VisionGeometry | None = None
+    pixel_values: jax.Array | None = None   # [N_patch, C·T·P·P] packed, or [B, N_row, C·T·P·P] per row
+    geometry: VisionGeometry | None = None  # of the packed patches, or of one row's N_row (the same for every row)
 
 
 def embed(cfg: ModelConfig, params: dict, input_ids, codes, pixel_values=None, geometry=None, remat=False):
-    """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in."""
+    """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in.
+
+    Two image layouts. Packed, `pixel_values` [N_patch, ·]: one list of every image in batch order, the k-th
+    image token of the batch reads feature k. Per row, [B, N_row, ·] (training: each row's image slots, its
+    images first): row r's k-th image token reads row r's feature k, so a row needs nothing from other rows
+    and the pixels shard with their rows (train/sharded.py)."""
     table = params["text"]["embed"]["embedding"]
     x = take_rows(table, input_ids, ("vocab", "hidden"))
     x = inject(x, params["uncertainty"]["embedding"], input_ids, codes,
                (cfg.image_token_id, cfg.video_token_id))
     if pixel_values is None:
         return constrain(x, ("batch", "seq", "embed")), None
-    merged, deep = vision_tower(cfg.vision, params["vision"], pixel_values, geometry, remat=remat)
     is_img = input_ids == cfg.image_token_id
-    index = jnp.maximum(jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape) - 1, 0).astype(jnp.int32)
-    x = jnp.where(is_img[..., None], jnp.take(merged, index, axis=0).astype(x.dtype), x)
+    if pixel_values.ndim == 3:
+        b = pixel_values.shape[0]
+        merged, deep = vision_tower(cfg.vision, params["vision"], pixel_values.reshape(-1, pixel_values.shape[-1]),
+                                    tile_geometry(geometry, b), remat=remat)
+        t, d = merged.shape[0] // b, merged.shape[-1]
+        merged = constrain(merged.reshape(b, t, d), ("batch", None, "embed"))
+        deep = constrain(deep.reshape(deep.shape[0], b, t, d), (None, "batch", None, "embed"))
+        index = jnp.cumsum(is_img, axis=1)
+    else:
+        merged, deep = vision_tower(cfg.vision, params["vision"], pixel_values, geometry, remat=remat)
+        index = jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape)
+    index = jnp.maximum(index - 1, 0).astype(jnp.int32)
+    x = jnp.where(is_img[..., None], image_features(merged, index).astype(x.dtype), x)
     return constrain(x, ("batch", "seq", "embed")), DeepStack(deep, index, is_img)
 
 

@@ -23,9 +23,17 @@ from .sharding import CACHE_AXES, constrain
 
 class DeepStack(NamedTuple):
     """Vision features added after the first decoder layers at image-token rows (§4.5)."""
-    features: jax.Array   # [n_ds, N_tok, D]
-    index: jax.Array      # [B, S] int32 row of `features` for each image token (anything elsewhere)
+    features: jax.Array   # [n_ds, N_tok, D] (one packed list) or [n_ds, B, T, D] (each row's own features)
+    index: jax.Array      # [B, S] int32 row of `features` (of the row's own, when per row) for each image token
     is_image: jax.Array   # [B, S] bool
+
+
+def image_features(features: jax.Array, index: jax.Array) -> jax.Array:
+    """The feature [B, S, D] of each position: `features` [N, D] is one list that `index` counts across the
+    batch; [B, T, D] holds each row's own, `index` counting within the row (a gather local to the row's shard)."""
+    if features.ndim == 2:
+        return jnp.take(features, index, axis=0)
+    return jnp.take_along_axis(features, index[..., None], axis=1)
 
 
 def _layer(cfg: TextConfig, p: dict, x, cos, sin, mask, k_cache, v_cache, write_pos):
@@ -60,8 +68,8 @@ def decoder(cfg: TextConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Arr
         x, kc, vc = _layer(cfg, lp, x, cos, sin, mask, kc, vc, write_pos)
         if n_ds:
             j = jnp.minimum(idx, n_ds - 1)
-            feat = jnp.take(jax.lax.dynamic_index_in_dim(deepstack.features, j, keepdims=False),
-                            deepstack.index, axis=0)                                   # [B, S, D]
+            feat = image_features(jax.lax.dynamic_index_in_dim(deepstack.features, j, keepdims=False),
+                                  deepstack.index)                                     # [B, S, D]
             x = jnp.where((deepstack.is_image & (idx < n_ds))[..., None], x + feat.astype(x.dtype), x)
         return x, (kc, vc)
 

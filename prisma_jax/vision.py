@@ -68,6 +68,18 @@ def _geometry(cfg: VisionConfig, grids: tuple) -> VisionGeometry:
     return VisionGeometry(*arrays, frame_len=sizes.pop() if len(sizes) == 1 else 0)
 
 
+def tile_geometry(geo: VisionGeometry, n: int) -> VisionGeometry:
+    """The geometry of `n` copies of `geo`'s patches one after another (frames renumbered): one row's image
+    slots → a batch of rows (traceable; model.embed's per-row layout)."""
+    if n == 1:
+        return geo
+    seg = jnp.asarray(geo.segment)
+    frames = seg[-1] + 1                       # frame ids run 0 … F−1 in order (`_geometry`)
+    return VisionGeometry(jnp.tile(geo.pos_idx, (1, n)), jnp.tile(geo.pos_w, (1, n)), jnp.tile(geo.rows, n),
+                          jnp.tile(geo.cols, n), (seg[None] + frames * jnp.arange(n)[:, None]).reshape(-1),
+                          frame_len=geo.frame_len)
+
+
 def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
     """align_corners=True source coordinate of output index i (of n) on a grid of s, float32 as torch."""
     if n == 1:

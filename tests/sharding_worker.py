@@ -2,7 +2,7 @@
 stays single-device. The parent sets XLA_FLAGS (device count) before this imports JAX.
 
     python sharding_worker.py mesh CKPT OUT           # one process, 8 CPU devices: sharded vs one device
-    python sharding_worker.py mh_train PORT PID OUT   # one of two processes × 4 devices: train step + save
+    python sharding_worker.py mh_train PORT PID OUT   # one of two processes × 4 devices: tiny_sft steps + save
     python sharding_worker.py mh_restore PORT PID OUT # one of two fresh processes: restore + check
     python sharding_worker.py tpu OUT                 # tiny-model TPU ahead-of-time compile (v5p:2x2x1)
     python sharding_worker.py table CKPT SEED OUT     # 8 CPU devices: fresh tables on the mesh, batch rules
@@ -32,6 +32,28 @@ def tiny_train_cfg():
                         introspection_passes=2)
     raw["optimizer"] = dict(lr=1e-2, clip_norm=1.0, weight_decay=0.01)
     return config_from_raw(raw)
+
+
+SFT_STEPS = 3
+
+
+def sft_train_cfg(mesh=None):
+    """configs/tiny_sft.yaml (conversations with images, 2 micro-batches of 4 rows) for `SFT_STEPS` steps."""
+    import dataclasses
+
+    from prisma_jax.sharding import MeshSpec
+    from train.config import load_train_config
+
+    cfg, _ = load_train_config(os.path.join(ROOT, "configs", "tiny_sft.yaml"), [f"train.steps={SFT_STEPS}"])
+    return cfg if mesh is None else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mesh=MeshSpec(**mesh)))
+
+
+def sft_batches(cfg, workdir, host=None, hosts=None) -> list:
+    """The first `SFT_STEPS` per-host batches of the tiny_sft pipeline (train/data.py), data in `workdir`."""
+    from train import data
+
+    it = iter(data.build(cfg, workdir, host, hosts)[0])
+    return [next(it) for _ in range(SFT_STEPS)]
 
 
 def train_batch_np(cfg, rows=slice(None)):
@@ -158,22 +180,25 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
 
-    from prisma_jax.sharding import abstract_sharded_params, make_mesh
+    from prisma_jax.sharding import abstract_sharded_params
     from train import sharded
-    from train.step import TrainBatch, make_train_step
 
     assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
-    tcfg = tiny_train_cfg()
-    mesh = make_mesh(MESH)
+    tcfg = sft_train_cfg(MESH)
+    mesh = sharded.mesh_of(tcfg)
     ckdir = os.path.join(os.path.dirname(out), "orbax_params")
     res: dict = {"process": jax.process_index()}
     if mode == "mh_train":
-        rows = multihost.host_rows(mesh, BATCH)
-        local = TrainBatch(*train_batch_np(tcfg.model, rows))
-        with jax.set_mesh(mesh):
-            tb = sharded.put_batch(local, mesh)
-            state, metrics = jax.jit(make_train_step(tcfg))(sharded_state(tcfg, mesh), tb)
-        res["loss"] = float(np.asarray(metrics["loss"].addressable_data(0)))
+        # this host's rows of tiny_sft (records process_index::2, images in per-row slots), the loop's step
+        from train.loop import compiled_step
+
+        state = sharded_state(tcfg, mesh)
+        step = compiled_step(tcfg, state.params, mesh)
+        res["losses"] = []
+        for local in sft_batches(tcfg, os.path.dirname(out)):
+            with jax.set_mesh(mesh):
+                state, metrics = step(state, sharded.put_batch(local, mesh))
+            res["losses"].append(float(np.asarray(metrics["loss"].addressable_data(0))))
         params = state.params
         multihost.save(ckdir, params)
     else:

@@ -129,8 +129,8 @@ def test_jsonl_pipeline_targets_images_and_overlong_policy(tmp_path):
     # supervised: the assistant answer and its <|im_end|>, each target the next token
     want = [tok(w) for w in "a red square .".split()] + [tok("<|im_end|>")]
     assert list(tg[tg >= 0]) == want and list(ids[1:][tg[:-1] >= 0]) == want
-    assert b.pixel_values.shape == (1, 2 * 16, 1536) and np.abs(b.pixel_values[0, :16]).sum() > 0
-    assert not b.pixel_values[0, 16:].any()                        # the text-only row's slot is zeros
+    assert b.pixel_values.shape == (1, 2, 16, 1536) and np.abs(b.pixel_values[0, 0]).sum() > 0
+    assert not b.pixel_values[0, 1].any()                          # the text-only row's slot is zeros
     assert (ids == 5).sum() == 4
 
 

@@ -8,9 +8,10 @@ Shapes are fixed so the jitted step compiles once:
 * **padding, not packing**: one conversation per row, right-padded to `train.seq_len`. Longer samples are
   truncated (never inside an image: the cut moves to before that image) or dropped, per `data.overlong`;
   both are counted and reported.
-* **images**: every image is resized to `data.image_size`², so each has the same grid; each micro-batch holds
-  `b · data.max_images` image slots — the real images first, zero pixels after. The zero slots' features are
-  computed and never read, and the vision geometry is one constant.
+* **images**: every image is resized to `data.image_size`², so each has the same grid; each row holds
+  `data.max_images` image slots of its own (`pixel_values [A, b, slots·patches, ·]`) — its real images first,
+  zero pixels after. The zero slots' features are computed and never read; the vision geometry is that of one
+  row's slots, one constant for every row and host, so a host's pixel rows shard with its token rows.
 
 Text is tokenized once, in the index pass at start (cheap, and malformed lines or missing images fail before
 step 1, naming file and line); image decoding is lazy, in grain's read threads. Supervised tokens are the
@@ -30,7 +31,7 @@ import jax
 import numpy as np
 
 from prisma_jax.inputs import prepare
-from prisma_jax.vision import vision_geometry
+from prisma_jax.vision import VisionGeometry, vision_geometry
 
 from .config import Config
 from .step import TrainBatch
@@ -214,6 +215,14 @@ class LoadImages:
         return out
 
 
+def row_geometry(cfg: Config) -> VisionGeometry | None:
+    """The vision geometry of one row's image slots (`data.max_images` images of `data.image_size`²), None
+    without slots: `TrainBatch.geometry`, the same for every row, micro-batch and host."""
+    v, slots = cfg.model.vision, cfg.data.max_images
+    g = cfg.data.image_size // v.patch_size
+    return vision_geometry(v, np.array([[1, g, g]] * slots)) if slots else None
+
+
 class Collate:
     """Samples of one per-host batch → `TrainBatch` (NumPy) with a leading grad_accum axis."""
 
@@ -221,30 +230,43 @@ class Collate:
         self.cfg = cfg
         self.a = cfg.train.grad_accum
         self.b = per_host_batch // self.a
-        v = cfg.model.vision
-        g = cfg.data.image_size // v.patch_size
+        g = cfg.data.image_size // cfg.model.vision.patch_size
         self.grid = [1, g, g]
         self.patches = g * g                                     # pixel rows per image
-        self.slots = self.b * cfg.data.max_images
-        self.geometry = (vision_geometry(v, np.array([[1, g, g]] * self.slots)) if self.slots else None)
+        self.slots = cfg.data.max_images                         # image slots per row
+        self.geometry = row_geometry(cfg)
+
+    def _row_pixels(self, r: dict, i: int) -> np.ndarray | None:
+        """A sample's pixel rows, checked to fit its slots and to match its image tokens."""
+        px = r["pixels"]
+        n_img = 0 if px is None else len(px) // self.patches
+        if px is not None and (len(px) % self.patches or n_img > self.slots):
+            raise ValueError(f"row {i}: {len(px)} pixel rows, not at most data.max_images = {self.slots} images "
+                             f"of {self.patches} patches")
+        tokens = int(np.sum(r["ids"] == self.cfg.model.image_token_id))
+        if tokens != n_img * _tokens_per_image(self.cfg):
+            raise ValueError(f"row {i}: {tokens} image tokens for {n_img} images of "
+                             f"{_tokens_per_image(self.cfg)} tokens")
+        return px
 
     def __call__(self, samples: list[dict]) -> TrainBatch:
         m = self.cfg.model
         cols = {k: [] for k in TrainBatch._fields if k not in ("geometry", "pixel_values")}
-        pixels = (np.zeros((self.a, self.slots * self.patches, m.vision.patch_dim), np.float32) if self.slots
-                  else None)
+        pixels = (np.zeros((self.a, self.b, self.slots * self.patches, m.vision.patch_dim), np.float32)
+                  if self.slots else None)
         for a in range(self.a):
             rows = samples[a * self.b:(a + 1) * self.b]
             ids = np.stack([r["ids"] for r in rows])
             mask = np.stack([r["mask"] for r in rows])
             sup = np.stack([r["supervised"] for r in rows])
-            n = 0                                                 # the real images first, zero slots after
-            for r in rows:
-                if r["pixels"] is not None:
-                    pixels[a, n:n + len(r["pixels"])] = r["pixels"]
-                    n += len(r["pixels"])
-            pv = pixels[a, :n] if n else None
-            grids = None if pv is None else np.array([self.grid] * (n // self.patches))
+            packed = []                                           # each row's images first in its slots
+            for j, r in enumerate(rows):
+                px = self._row_pixels(r, a * self.b + j)
+                if px is not None:
+                    pixels[a, j, :len(px)] = px
+                    packed.append(px)
+            pv = np.concatenate(packed) if packed else None
+            grids = None if pv is None else np.array([self.grid] * (len(pv) // self.patches))
             b = prepare(m, ids, mask, pv, grids)                  # validation, positions, prompt-rule codes
             targets = np.where(np.pad(sup[:, 1:], ((0, 0), (0, 1))), np.pad(ids[:, 1:], ((0, 0), (0, 1))), -1)
             cols["input_ids"].append(b.input_ids)
@@ -258,10 +280,12 @@ class Collate:
 
 # ---------------------------------------------------------------------------------------------- the pipeline
 
-def build(cfg: Config, workdir: str):
-    """(grain IterDataset of TrainBatch, DataInfo). Per-host: rows `process_index::process_count`."""
+def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None = None):
+    """(grain IterDataset of TrainBatch, DataInfo). Per host: records `host::hosts` (default this process's
+    `process_index::process_count`)."""
     d, t = cfg.data, cfg.train
-    hosts, host = jax.process_count(), jax.process_index()
+    hosts = jax.process_count() if hosts is None else hosts
+    host = jax.process_index() if host is None else host
     if t.batch_size % (hosts * t.grad_accum):
         raise ValueError(f"train.batch_size {t.batch_size} must divide into {hosts} hosts × "
                          f"{t.grad_accum} micro-batches")

@@ -3,7 +3,9 @@
 The parameters follow the model's logical rules (prisma_jax/sharding.py), Adam's moments follow their
 parameter, step and RNG are replicated. A batch `[A, b, S]` is split over the batch axes (data × fsdp) on its
 row axis; each process puts only its own rows (train/data.py already reads `process_index::process_count`),
-so the same code runs on one host and on a pod. Pixel values and the vision geometry are replicated.
+so the same code runs on one host and on a pod. Pixel values are per row (`[A, b, slots·patches, ·]`, each
+row's own image slots) and shard with their rows, so a host's images land on the devices of its rows; the
+vision geometry describes one row's slots, the same on every host, and is replicated.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from .config import Config
 from .step import TrainBatch, TrainState, fresh_state
 
 # the row (batch) axis of each TrainBatch field
-_ROW_AXIS = {"input_ids": 1, "attention_mask": 1, "codes": 1, "targets": 1, "positions": 2}
+ROW_AXIS = {"input_ids": 1, "attention_mask": 1, "codes": 1, "targets": 1, "positions": 2, "pixel_values": 1}
 
 
 def mesh_of(cfg: Config) -> Mesh | None:
@@ -58,10 +60,8 @@ def put_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     for name, x in zip(batch._fields, batch):
         if x is None:
             out[name] = None
-        elif name in _ROW_AXIS:
-            out[name] = multihost.host_batch(np.asarray(x), mesh, batch_axis=_ROW_AXIS[name])
-        elif name == "geometry":
+        elif name in ROW_AXIS:
+            out[name] = multihost.host_batch(np.asarray(x), mesh, batch_axis=ROW_AXIS[name])
+        else:                                         # the geometry
             out[name] = jax.tree.map(lambda g: put_global(g, rep), x)
-        else:
-            out[name] = put_global(x, rep)
     return TrainBatch(**out)

@@ -41,8 +41,8 @@ class TrainBatch(NamedTuple):
     codes: jax.Array            # [A, b, S] int32 prompt-rule codes (−1 = none)
     positions: jax.Array        # [A, 3, b, S] int32 M-RoPE positions
     targets: jax.Array          # [A, b, S] int32 next-token target of each position, −1 = not supervised
-    pixel_values: jax.Array | None = None   # [A, N_patch, C·T·P·P] (real images first, then zero slots)
-    geometry: VisionGeometry | None = None  # the same for every micro-batch (fixed image size and slots)
+    pixel_values: jax.Array | None = None   # [A, b, max_images·patches, C·T·P·P] each row's image slots
+    geometry: VisionGeometry | None = None  # of one row's slots: the same for every row, micro-batch and host
 
 
 class TrainState(NamedTuple):
