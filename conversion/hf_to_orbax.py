@@ -5,6 +5,7 @@ block by block — a memory-mapped row block of the source, transposed into a co
 written into the zarr chunk it fills — so peak memory is a few blocks (≤ 64 MB each) plus the interpreter,
 whatever the model size. The dtype is the source's unless `dtype` asks otherwise (bf16 stays bf16).
 A plain Qwen3-VL source gets the uncertainty table of INTROSPECTION.md §1 (zeros by default, or normal(0, 0.02)).
+The crc32 of each tensor (Hugging Face layout) and of each chunk is recorded (orbax_layout.py, "checksums").
 """
 from __future__ import annotations
 
@@ -88,13 +89,13 @@ def convert(src: str, dst: str, dtype="keep", init_uncertainty: str = "zeros", s
             print(f"expected peak memory: {human_bytes(peak)}", file=out)
             return {"dry_run": True, "peak_bytes": peak, "bytes": total}
         with Staging(dst, overwrite, src) as tmp:
-            arrays = {}
+            arrays, chunks = {}, {}
             for n in names:
                 if n.path not in arrays:
                     dt = leaf_dt[n.path]
-                    arrays[n.path] = L.open_array(tmp, n.path, leaves[n.path], dt,
-                                                  L.chunk_shape(n, leaves[n.path], np.dtype(dt).itemsize))
-            tensors = {}
+                    chunks[n.path] = L.chunk_shape(n, leaves[n.path], np.dtype(dt).itemsize)
+                    arrays[n.path] = L.open_array(tmp, n.path, leaves[n.path], dt, chunks[n.path])
+            tensors, chunk_crcs = {}, {L.param_name(p): {} for p in leaves}
             with progress_bar(total, "hf-to-orbax", progress) as bar:
                 for n in names:
                     dt = leaf_dt[n.path]
@@ -107,8 +108,10 @@ def convert(src: str, dst: str, dtype="keep", init_uncertainty: str = "zeros", s
                         else:   # rows r0:r1 of loading.load_hf's normal table (the same layout in HF)
                             hf_block = np.asarray(fresh_table(seed, n.hf_shape, dt, rows=(r0, r1)))
                         crc = zlib.crc32(np.ascontiguousarray(hf_block).reshape(-1).view(np.uint8), crc)
-                        arrays[n.path][L.leaf_region(n, r0, r1)].write(n.to_jax(hf_block)).result()
-                        del hf_block
+                        region, block = L.leaf_region(n, r0, r1), n.to_jax(hf_block)
+                        chunk_crcs[L.param_name(n.path)][L.chunk_key(region, chunks[n.path])] = L.chunk_crc(block)
+                        arrays[n.path][region].write(block).result()
+                        del hf_block, block
                         if n.hf in ck.where:
                             ck.release(n.hf)
                         bar.update(_nbytes((r1 - r0, *n.hf_shape[1:]), dt))
@@ -128,6 +131,8 @@ def convert(src: str, dst: str, dtype="keep", init_uncertainty: str = "zeros", s
                 "side_files": copied, "checksum": "crc32 of each tensor's bytes in Hugging Face layout",
                 "leaf_dtypes": {"/".join(p): L.DTYPE_NAMES[d] for p, d in leaf_dt.items()},
                 "tensors": tensors,
+                "chunk_checksum": "crc32 of each zarr chunk's in-bounds data, C order, stored dtype",
+                "chunk_crc32": chunk_crcs,
             }
             L.write_meta(tmp, meta)
     return meta

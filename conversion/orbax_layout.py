@@ -3,7 +3,7 @@
     DST/
       _METADATA, _CHECKPOINT_METADATA, _sharding     Orbax's tree metadata (zarr v2, no OCDBT)
       text.layers.mlp.gate_proj.kernel/.zarray, 0.0.0, 0.0.1, ...   one zarr array per leaf of the param tree
-      prisma_checkpoint.json                        source, dtypes, n_bits, per-tensor crc32, prisma-jax version
+      prisma_checkpoint.json                        source, dtypes, n_bits, crc32s, prisma-jax version
       config.json, generation_config.json, tokenizer*, chat_template*, preprocessor_config.json, ...
 
 Arrays are written here with tensorstore, one block at a time, in exactly the layout Orbax's
@@ -12,12 +12,20 @@ and `PyTreeCheckpointer().restore(DST)` read it as it is. Chunks are one stacked
 blocks (kernels along their output axis), so a sharded restore reads only the chunks each device needs.
 
 `restore_params` is the one reader: whole arrays on one host, or each shard straight onto its device.
+
+Two crc32s are recorded at conversion: `tensors[hf].crc32`, of each Hugging Face tensor's bytes in its own
+(torch) layout, which `orbax-to-hf` checks as it streams; and `chunk_crc32[array][chunk]`, of each zarr chunk's
+data (the chunk's in-bounds region, C order, stored dtype), which `restore_params` checks before restoring:
+each process reads back only the chunk files its own shards overlap, so a sharded restore verifies without
+gathering any array and without reading more than it restores. A checkpoint converted before chunk crcs
+were recorded is verified tensor by tensor from the tensorstore arrays instead (every process, every tensor).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -137,7 +145,7 @@ def read_meta(directory: str) -> tuple[dict, ModelConfig]:
     return meta, cfg
 
 
-def restore_params(directory: str, shardings=None, dtype=None):
+def restore_params(directory: str, shardings=None, dtype=None, verify: bool = True):
     """Restore the parameter pytree of a converted checkpoint with Orbax.
 
     shardings: None → NumPy arrays on the host; otherwise a pytree with the param tree's structure whose
@@ -146,6 +154,8 @@ def restore_params(directory: str, shardings=None, dtype=None):
         e.g. `lambda cfg: sharding.param_shardings(cfg, mesh)`) → `jax.Array`s where each process reads only the chunks of its addressable shards and
         places each shard on its device; no full array is assembled on any host.
     dtype: None keeps the stored dtypes; a name or dtype casts while reading (per shard).
+    verify: check the recorded crc32s of the chunks this process reads first (`verify_chunks`); a mismatch
+        is a CheckpointError naming the tensor. False skips the check.
     Returns (params, ModelConfig).
     """
     import jax
@@ -165,6 +175,8 @@ def restore_params(directory: str, shardings=None, dtype=None):
             raise ValueError(f"shardings tree does not match the param tree: "
                              f"{sorted(param_name(p) for p in set(got) ^ set(shapes))[:10]}")
         shardings = got
+    if verify:
+        verify_chunks(directory, meta, cfg, shardings)
     item, args = {}, {}
     for p, shape in shapes.items():
         dt = want or meta["_dtypes"][p]
@@ -178,6 +190,101 @@ def restore_params(directory: str, shardings=None, dtype=None):
     ckptr = ocp.PyTreeCheckpointer()
     params = ckptr.restore(os.path.abspath(directory), args=ocp.args.PyTreeRestore(item=item, restore_args=args))
     return params, cfg
+
+
+# ------------------------------------------------------------------------------------------ checksums
+
+def chunk_key(region: tuple, chunks) -> str:
+    """The zarr key ('i.j.k') of the chunk a block written at `region` (a `leaf_region`) fills."""
+    starts = [r if isinstance(r, int) else (r.start or 0) for r in region] + [0] * (len(chunks) - len(region))
+    return ".".join(str(s // c) for s, c in zip(starts, chunks)) or "0"
+
+
+def chunk_crc(block: np.ndarray) -> str:
+    return f"{zlib.crc32(np.ascontiguousarray(block).reshape(-1).view(np.uint8)):08x}"
+
+
+def _chunk_index(key: str, shape, chunks) -> tuple:
+    grid = [int(k) for k in key.split(".")] if shape else []
+    return tuple(slice(g * c, min((g + 1) * c, s)) for g, c, s in zip(grid, chunks, shape))
+
+
+def _needed_chunks(shape, chunks, sharding) -> list[str]:
+    """Keys of the chunks that the addressable shards of `sharding` (every chunk for None) overlap."""
+    import itertools
+    if sharding is None:
+        ranges = [range(-(-s // c)) for s, c in zip(shape, chunks)]
+        return [".".join(map(str, g)) or "0" for g in itertools.product(*ranges)]
+    keys = set()
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        ranges = []
+        for sl, s, c in zip(index, shape, chunks):
+            a, b, _ = sl.indices(s)
+            ranges.append(range(a // c, -(-b // c)) if b > a else range(0))
+        keys.update(".".join(map(str, g)) or "0" for g in itertools.product(*ranges))
+    return sorted(keys)
+
+
+def verify_chunks(directory: str, meta: dict, cfg: ModelConfig, shardings=None) -> None:
+    """Check the recorded crc32 of every chunk this process will read (all of them for shardings=None, else
+    those its addressable shards overlap); a mismatch or a missing chunk is a CheckpointError naming the
+    Hugging Face tensor. Without recorded chunk crcs (older conversions), every tensor's crc32 is checked."""
+    from prisma_jax.params import hf_names
+    names = hf_names(cfg)
+    recorded = meta.get("chunk_crc32")
+    if recorded is None:
+        arrays = {}
+        for n in names:
+            if n.path not in arrays:
+                arrays[n.path] = open_array(directory, n.path)
+            for _ in hf_blocks(directory, arrays[n.path], n, meta["_dtypes"][n.path], meta["tensors"]):
+                pass
+        return
+    by_leaf: dict[tuple, dict] = {}
+    for n in names:
+        by_leaf.setdefault(n.path, {})[n.index] = n.hf
+    for p, hfs in by_leaf.items():
+        name = param_name(p)
+        try:
+            with open(os.path.join(directory, name, ".zarray")) as f:
+                z = json.load(f)
+            shape, chunks = tuple(z["shape"]), tuple(z["chunks"])
+            want = recorded[name]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{directory}: array {name} has no readable .zarray or recorded chunk crc32s") \
+                from None
+        dt = meta["_dtypes"][p]
+        for key in _needed_chunks(shape, chunks, None if shardings is None else shardings[p]):
+            index = _chunk_index(key, shape, chunks)
+            hf = hfs.get(index[0].start if None not in hfs else None)
+            path = os.path.join(directory, name, key)
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read()
+                data = np.frombuffer(raw, dt).reshape(chunks)   # zarr v2 stores edge chunks full size
+            except (OSError, ValueError):
+                raise CheckpointError(f"{directory}: tensor {hf}: chunk {name}/{key} is missing or truncated") \
+                    from None
+            got = chunk_crc(data[tuple(slice(0, i.stop - i.start) for i in index)])
+            if got != want.get(key):
+                raise CheckpointError(f"{directory}: tensor {hf} does not match its recorded checksum (chunk "
+                                      f"{name}/{key}: crc32 {got} != {want.get(key)}); the array data is corrupt")
+
+
+def hf_blocks(directory: str, array, n, dt, recorded: dict):
+    """The Hugging Face tensor `n` read from its tensorstore `array` in row blocks (torch layout, dtype `dt`);
+    after the last block, a CheckpointError naming the tensor if its crc32 differs from `recorded`'s."""
+    crc = 0
+    for r0, r1 in row_blocks(n, np.dtype(dt).itemsize):
+        x = array[leaf_region(n, r0, r1)].read().result()
+        block = np.ascontiguousarray(n.to_hf(np.asarray(x, dt)))
+        del x
+        crc = zlib.crc32(block.reshape(-1).view(np.uint8), crc)
+        yield block
+    want = (recorded.get(n.hf) or {}).get("crc32")
+    if f"{crc:08x}" != want:
+        raise CheckpointError(f"{directory}: tensor {n.hf} does not match its recorded checksum "
+                              f"(crc32 {crc:08x} != {want}); the array data is corrupt")
 
 
 # ------------------------------------------------------------------------------- blocks and chunks

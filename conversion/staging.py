@@ -1,16 +1,25 @@
-"""Where a conversion writes: a temporary sibling of DST, renamed over DST only once everything is written.
+"""Where a conversion writes: a temporary sibling of DST, swapped in for DST only once everything is written.
 
 A failed or interrupted conversion (an exception, Ctrl-C, or SIGTERM/SIGHUP, which become SystemExit while
 the staging directory exists) removes its temporary directory, so DST is left exactly as it was (absent,
-or the previous checkpoint when --overwrite was given). Also: copying the side files (config, tokenizer,
-processor, chat template) and the pieces both directions share (byte sizes, the dry-run report).
+or the previous checkpoint when --overwrite was given). At the end every file and directory written is
+fsynced, then the new directory replaces DST in one step — `renameat2(RENAME_EXCHANGE)` where the kernel and
+filesystem have it, else DST → a backup sibling, new → DST, backup removed — and the parent is fsynced.
+SIGTERM/SIGHUP during that step are deferred until it completes, and a process killed outright (SIGKILL,
+power loss) between the two renames of the fallback leaves the backup, which the next conversion to DST
+puts back (`recover`), so DST is at every moment the old checkpoint or the new one, complete.
+Also: copying the side files (config, tokenizer, processor, chat template) and the pieces both directions
+share (byte sizes, the dry-run report).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import fnmatch
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 
@@ -26,6 +35,7 @@ class Staging:
         self.dst = os.path.abspath(dst)
         self.tmp = None
         self.handlers = {}
+        self.deferred = None
 
     def __enter__(self) -> str:
         parent, base = os.path.split(self.dst)
@@ -34,37 +44,151 @@ class Staging:
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 self.handlers[sig] = signal.signal(sig, _exit_on_signal)
         self.tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+        umask = os.umask(0o22)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)   # DST gets a directory's usual mode, not mkdtemp's 0700
         return self.tmp
 
+    def _defer(self, signum, frame):
+        self.deferred = signum
+
     def __exit__(self, exc_type, exc, tb):
-        for sig, old in self.handlers.items():
-            signal.signal(sig, old)
         if exc_type is not None:
+            self._restore_handlers()
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        parent, base = os.path.split(self.dst)
-        old = None
-        if os.path.lexists(self.dst):
-            old = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
-            os.rename(self.dst, os.path.join(old, base))
+        if self.handlers:   # from here on SIGTERM/SIGHUP/SIGINT wait until DST is the old or the new one
+            self.handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+            for sig in self.handlers:
+                signal.signal(sig, self._defer)
         try:
-            os.rename(self.tmp, self.dst)
+            _at("fsync")
+            fsync_tree(self.tmp)
+            _at("swap")
+            if self.deferred is not None:   # signalled before the swap began: keep the old DST
+                _raise_for(self.deferred)
+            _swap(self.tmp, self.dst)
         except BaseException:
-            if old is not None:
-                os.rename(os.path.join(old, base), self.dst)
+            self._restore_handlers()
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        self._restore_handlers()
+        if self.deferred is not None:   # the new DST is in place; now act on the signal
+            _raise_for(self.deferred)
         return False
+
+    def _restore_handlers(self):
+        for sig, old in self.handlers.items():
+            signal.signal(sig, old)
+        self.handlers = {}
+
+
+def _at(point: str) -> None:
+    """A named point of the swap (a no-op; tests replace it to pause or kill the process there)."""
 
 
 def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _raise_for(signum: int):
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every regular file under `root`, then every directory, deepest first (so the names are durable)."""
+    for d, _, files in os.walk(root, topdown=False):
+        for f in files:
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(d)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically exchange the paths a and b (Linux renameat2); False where the kernel, libc or filesystem
+    cannot, so the caller falls back to two renames."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _backup_name(dst: str) -> str:
+    parent, base = os.path.split(dst)
+    return os.path.join(parent, f".{base}.old")
+
+
+def _swap(new: str, dst: str) -> None:
+    """Put the directory `new` at `dst`, replacing what is there; DST is never absent except, in the fallback,
+    between two renames, where `recover` finds the backup."""
+    parent = os.path.dirname(dst)
+    if not os.path.lexists(dst):
+        _at("rename")
+        os.rename(new, dst)
+        fsync_dir(parent)
+        return
+    if _exchange(new, dst):   # `new` now holds the old DST
+        fsync_dir(parent)
+        _at("remove")
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    backup = _backup_name(dst)
+    shutil.rmtree(backup, ignore_errors=True)
+    os.rename(dst, backup)
+    _at("between")
+    try:
+        os.rename(new, dst)
+    except BaseException:
+        os.rename(backup, dst)
+        raise
+    fsync_dir(parent)
+    _at("remove")
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def recover(dst: str) -> None:
+    """Finish a fallback swap killed between its two renames: put the backup back when DST is absent, drop it
+    when DST is there."""
+    backup = _backup_name(os.path.abspath(dst))
+    if os.path.isdir(backup) and not os.path.islink(backup):
+        if os.path.lexists(dst):
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.rename(backup, dst)
+            fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
 def check_destination(dst: str, overwrite: bool, src: str | None = None) -> None:
-    """Refuse an existing DST without overwrite, and any DST that is, holds or sits inside SRC."""
+    """Refuse an existing DST without overwrite, and any DST that is, holds or sits inside SRC (after putting
+    back a DST that a killed swap left as its backup)."""
+    recover(dst)
     if os.path.lexists(dst) and not overwrite:
         raise ValueError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     if src is not None:

@@ -48,9 +48,10 @@ class PrismaVL:
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", uncertainty_init: str = "zeros", seed: int = 0,
-                        mesh=None):
+                        mesh=None, verify: bool = True):
         """A Hugging Face Qwen3-VL / Prisma-VL checkpoint directory (safetensors), or an Orbax directory written
-        by `prisma convert hf-to-orbax`; `mesh` shards it on load."""
+        by `prisma convert hf-to-orbax` (its recorded crc32s checked unless verify=False); `mesh` shards it on
+        load."""
         from conversion import is_converted, restore_params
 
         if is_converted(path):   # each shard restored straight onto its device (dtype "keep" = as stored)
@@ -59,7 +60,7 @@ class PrismaVL:
 
                 mesh = _as_mesh(mesh)
             params, cfg = restore_params(path, dtype=dtype, shardings=None if mesh is None else
-                                         (lambda c: param_shardings(c, mesh)))
+                                         (lambda c: param_shardings(c, mesh)), verify=verify)
             if mesh is None:
                 params = jax.tree.map(jnp.asarray, params)
             return cls(cfg, params, _generation_config(path), path, mesh)

@@ -34,6 +34,8 @@ def add_parser(subparsers) -> None:
                    help="temperature × (1 − previous code/(L−1))**power: sample less after uncertain steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="an Orbax --model: skip checking the crc32s its conversion recorded")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persist compiled programs here across runs")
     p.add_argument("--json", action="store_true", help="print tokens, text, codes and entropies as JSON")
@@ -63,7 +65,7 @@ def run(args) -> int:
     from .api import PrismaVL
     if args.compilation_cache:
         enable_compilation_cache(args.compilation_cache)
-    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype)
+    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype, verify=args.verify)
     eos = model.generation_config.get("eos_token_id", proc.ids["eos_token_id"])
     pad = model.generation_config.get("pad_token_id", proc.pad_token_id)
     res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), enc.get("image_grid_thw"),

@@ -13,7 +13,7 @@ import pytest
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 from prisma_jax.cli import main as cli
-from prisma_jax.safetensors_io import Checkpoint, write_file
+from prisma_jax.safetensors_io import Checkpoint, CheckpointError, write_file
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +210,67 @@ def test_sigterm_mid_conversion_leaves_nothing_behind(good, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 143
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------ restore checks the recorded crc32s
+
+def _flip(orb, leaf, key, at=100):
+    """Flip one bit of a stored value: the chunk still decodes, to a different number."""
+    chunk = orb / leaf / key
+    data = bytearray(chunk.read_bytes())
+    data[at] ^= 0x40
+    chunk.write_bytes(bytes(data))
+
+
+def test_restore_checks_the_recorded_crc32s_and_names_the_tensor(good, tmp_path):
+    from conversion import orbax_layout as L, restore_params
+    from prisma_jax import PrismaVL
+
+    orb = tmp_path / "orb"
+    shutil.copytree(good / "orbax", orb)
+    ref, _ = restore_params(str(orb))
+    _flip(orb, "text.layers.mlp.up_proj.kernel", "1.0.0")
+    named = r"tensor model\.language_model\.layers\.1\.mlp\.up_proj\.weight does not match its recorded checksum"
+    with pytest.raises(CheckpointError, match=named + r" \(chunk text\.layers\.mlp\.up_proj\.kernel/1\.0\.0"):
+        restore_params(str(orb))
+    with pytest.raises(CheckpointError, match=named):
+        PrismaVL.from_pretrained(str(orb))
+    got, _ = restore_params(str(orb), verify=False)      # skipping the check loads the altered value
+    differs = ref["text"]["layers"]["mlp"]["up_proj"]["kernel"] != got["text"]["layers"]["mlp"]["up_proj"]["kernel"]
+    assert differs.sum() == 1 and differs[1].sum() == 1
+    assert PrismaVL.from_pretrained(str(orb), verify=False).config.n_bits == 16
+    # a conversion that recorded no chunk crc32s is checked tensor by tensor (its Hugging Face crc32s)
+    meta = json.load(open(orb / L.META_NAME))
+    del meta["chunk_crc32"]
+    L.write_meta(str(orb), meta)
+    with pytest.raises(CheckpointError, match=named + r" \(crc32 [0-9a-f]{8} != [0-9a-f]{8}\)"):
+        restore_params(str(orb))
+    restore_params(str(orb), verify=False)
+
+
+class _Layers:
+    """A sharding of which this process holds the given rows of every array (along its first axis)."""
+
+    def __init__(self, *rows):
+        self.rows = rows
+
+    def addressable_devices_indices_map(self, shape):
+        return {i: (slice(r, r + 1),) + (slice(None),) * (len(shape) - 1) for i, r in enumerate(self.rows)}
+
+
+def test_a_sharded_restore_checks_exactly_the_chunks_its_shards_read(good, tmp_path):
+    from conversion import orbax_layout as L
+
+    orb = tmp_path / "orb"
+    shutil.copytree(good / "orbax", orb)
+    _flip(orb, "text.layers.mlp.up_proj.kernel", "2.0.0")   # layer 2's chunk
+    meta, cfg = L.read_meta(str(orb))
+    leaves = [tuple(k.split("/")) for k in meta["leaf_dtypes"]]
+    L.verify_chunks(str(orb), meta, cfg, {p: _Layers(0, 1) for p in leaves})     # never reads layer 2
+    with pytest.raises(CheckpointError, match=r"tensor model\.language_model\.layers\.2\.mlp\.up_proj\.weight "
+                                              r"does not match"):
+        L.verify_chunks(str(orb), meta, cfg, {p: _Layers(2) for p in leaves})
+    os.remove(orb / "text.layers.mlp.up_proj.kernel" / "0.0.0")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.up_proj\.weight: chunk "
+                                              r"text\.layers\.mlp\.up_proj\.kernel/0\.0\.0 is missing"):
+        L.verify_chunks(str(orb), meta, cfg, {p: _Layers(0) for p in leaves})

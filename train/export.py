@@ -1,11 +1,14 @@
 """A training run's checkpoint → a Hugging Face checkpoint directory (`prisma convert train-to-hf`).
 
-    WORKDIR/checkpoints/<step>/{state, meta}  →  DST/{model.safetensors, config.json, generation_config.json,
-                                                     + the tokenizer/processor files of --processor}
+    WORKDIR/checkpoints/<step>/{state, meta}  →  DST/{model.safetensors (or ≤ 5 GB shards + index), config.json,
+                                                     generation_config.json, + the tokenizer/processor files}
 
-The params of the chosen step (default: the latest) are restored on the host, the model config is the one the
-checkpoint recorded (`meta.model`), and the tensors go through the same name table as every other conversion
-(`params.hf_names`). Written in a staging directory and renamed at the end (conversion/staging.py).
+Only the params of the chosen step (default: the latest) are read, never the optimizer state: one leaf at a
+time, each an Orbax partial restore of that one array, turned into its Hugging Face tensors (the same name
+table as every other conversion, `params.hf_names`) and streamed into its shard in row blocks. Peak memory is
+the largest leaf (a layer-stacked kernel, as stored) plus a block, whatever the model's total size
+(docs/benchmarks.md). The model config is the one the checkpoint recorded (`meta.model`). Written in a staging
+directory, fsynced and swapped in at the end (conversion/staging.py).
 """
 from __future__ import annotations
 
@@ -14,15 +17,17 @@ import os
 
 import numpy as np
 
-from conversion.staging import Staging, copy_side_files
+from conversion import orbax_layout as L
+from conversion.orbax_to_hf import MAX_SHARD_BYTES
+from conversion.staging import Staging, check_destination, copy_side_files
 from prisma_jax.config import ModelConfig, config_from_dict, config_to_hf
-from prisma_jax.params import get_path, hf_names
-from prisma_jax.safetensors_io import write_file
+from prisma_jax.params import get_path, hf_names, set_path
+from prisma_jax.safetensors_io import INDEX_NAME, SINGLE_NAME, plan_shards, write_streaming
 
 
-def checkpoint_params(workdir: str, step: int | None = None) -> tuple[dict, ModelConfig, int]:
-    """(params as NumPy float32, the model config recorded with them, the step) of a `prisma train` run."""
-    import jax
+def checkpoint_leaves(workdir: str, step: int | None = None):
+    """(a function leaf path → that param as a NumPy array, the model config recorded, the step, close) for a
+    `prisma train` run; each call restores that one array of the step's params (Orbax partial restore)."""
     import orbax.checkpoint as ocp
 
     from .loop import CHECKPOINT_ITEMS, checkpoint_dir
@@ -38,27 +43,60 @@ def checkpoint_params(workdir: str, step: int | None = None) -> tuple[dict, Mode
         step = max(steps) if step is None else step
         if step not in steps:
             raise ValueError(f"{workdir}: no checkpoint at step {step} (saved steps: {sorted(steps)})")
-        got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                          meta=ocp.args.JsonRestore()))
-    finally:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except BaseException:
         mngr.close()
-    cfg = config_from_dict(got["meta"]["model"])
-    return jax.tree.map(lambda a: np.asarray(a, np.float32), got["state"]["params"]), cfg, step
+        raise
+    cfg = config_from_dict(meta["model"])
+
+    def leaf(path: tuple[str, ...]) -> np.ndarray:
+        item, args = {}, {}
+        set_path(item, ("params", *path), 0)   # structure only: partial_restore reads just this array
+        set_path(args, ("params", *path), ocp.RestoreArgs(restore_type=np.ndarray))
+        got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True)))
+        return get_path(got["state"]["params"], path)
+
+    return leaf, cfg, step, mngr.close
 
 
-def write_hf(params: dict, cfg: ModelConfig, dst: str, processor_dir: str | None = None,
-             generation: dict | None = None, overwrite: bool = False) -> None:
-    """A params pytree → a one-file Hugging Face checkpoint at `dst` (float32), with `generation`'s
-    eos/pad ids in config.json and generation_config.json, and the tokenizer files of `processor_dir`."""
+def write_hf(params, cfg: ModelConfig, dst: str, processor_dir: str | None = None,
+             generation: dict | None = None, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Params → a Hugging Face checkpoint at `dst` (float32; one `model.safetensors`, or shards of at most
+    `max_shard_bytes` with an index), with `generation`'s eos/pad ids in config.json and generation_config.json,
+    and the tokenizer files of `processor_dir`. `params` is a pytree, or a function leaf path → array called
+    once per leaf (so only one leaf need be in memory)."""
     generation = {k: v for k, v in (generation or {}).items() if v is not None}
+    leaf = params if callable(params) else (lambda p: get_path(params, p))
+    names = hf_names(cfg)
+    rank = {p: i for i, p in enumerate(dict.fromkeys(n.path for n in names))}
+    names = sorted(names, key=lambda n: rank[n.path])   # grouped by leaf (a stable sort): each leaf read once
+    by_name = {n.hf: n for n in names}
+    shards = plan_shards([(n.hf, n.hf_shape, np.float32) for n in names], max_shard_bytes)
+    files = ([SINGLE_NAME] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    held: dict = {}
 
-    def tensors():
-        for n in hf_names(cfg):
-            x = np.asarray(get_path(params, n.path), np.float32)
-            yield n.hf, n.to_hf(x if n.index is None else x[n.index])
+    def blocks(hf: str):
+        n = by_name[hf]
+        if n.path not in held:
+            held.clear()   # drop the previous leaf before reading the next
+            held[n.path] = leaf(n.path)
+        x = held[n.path]
+        for r0, r1 in L.row_blocks(n, 4):
+            yield n.to_hf(np.asarray(x[L.leaf_region(n, r0, r1)], np.float32))
 
     with Staging(dst, overwrite) as tmp:
-        write_file(os.path.join(tmp, "model.safetensors"), list(tensors()), metadata={"format": "pt"})
+        weight_map = {}
+        for f, shard in zip(files, shards):
+            write_streaming(os.path.join(tmp, f), [(k, by_name[k].hf_shape, np.float32) for k in shard], blocks,
+                            metadata={"format": "pt"})
+            weight_map.update({k: f for k in shard})
+        held.clear()
+        if len(files) > 1:
+            total = sum(int(np.prod(n.hf_shape, dtype=np.int64)) * 4 for n in names)
+            with open(os.path.join(tmp, INDEX_NAME), "w") as fh:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
         if processor_dir is not None:
             copy_side_files(processor_dir, tmp)
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -69,9 +107,14 @@ def write_hf(params: dict, cfg: ModelConfig, dst: str, processor_dir: str | None
 
 
 def export(workdir: str, dst: str, step: int | None = None, processor_dir: str | None = None,
-           eos_token_id=None, pad_token_id=None, overwrite: bool = False) -> int:
-    """`checkpoint_params` then `write_hf`; returns the step exported."""
-    params, cfg, step = checkpoint_params(workdir, step)
-    write_hf(params, cfg, dst, processor_dir, {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id},
-             overwrite)
+           eos_token_id=None, pad_token_id=None, overwrite: bool = False,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
+    """`checkpoint_leaves` then `write_hf`; returns the step exported."""
+    check_destination(dst, overwrite)
+    leaf, cfg, step, close = checkpoint_leaves(workdir, step)
+    try:
+        write_hf(leaf, cfg, dst, processor_dir, {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id},
+                 overwrite, max_shard_bytes)
+    finally:
+        close()
     return step
