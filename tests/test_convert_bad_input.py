@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -274,3 +275,130 @@ def test_a_sharded_restore_checks_exactly_the_chunks_its_shards_read(good, tmp_p
     with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.up_proj\.weight: chunk "
                                               r"text\.layers\.mlp\.up_proj\.kernel/0\.0\.0 is missing"):
         L.verify_chunks(str(orb), meta, cfg, {p: _Layers(0) for p in leaves})
+
+
+# ------------------------------------------------------------- fsync, and --overwrite swapping DST atomically
+
+@pytest.fixture(scope="module")
+def other(good):
+    """An Orbax conversion of a different model: the "old" DST that --overwrite replaces."""
+    save_checkpoint(build_model(tiny_hf_config(), seed=7), str(good / "single7"))
+    assert cli(["convert", "hf-to-orbax", str(good / "single7"), str(good / "orbax7")]) == 0
+    return good / "orbax7"
+
+
+_STAMPED = ("prisma_checkpoint.json", "_CHECKPOINT_METADATA")   # hold a creation time
+
+
+def _which(dst, old_snapshot, new_ref):
+    """'old' (byte for byte), 'new' (every file of a fresh conversion of the new source, same bytes but for
+    the timestamps), 'absent', or 'broken'."""
+    got = _snapshot(dst)
+    if got is None:
+        return "absent"
+    if got == old_snapshot:
+        return "old"
+    ref = _snapshot(new_ref)
+    if got.keys() == ref.keys() and all(got[k] == ref[k] for k in ref if k not in _STAMPED):
+        return "new"
+    return "broken"
+
+
+@pytest.mark.parametrize("swap", ["fresh", "exchange", "two renames"])
+def test_everything_written_is_fsynced_before_the_rename(good, other, tmp_path, monkeypatch, swap):
+    from conversion import staging
+
+    events = []
+    real_fsync, real_rename, real_exchange = os.fsync, os.rename, staging._exchange
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a, b):
+        events.append(("rename", os.fspath(a), os.fspath(b)))
+        real_rename(a, b)
+
+    def exchange(a, b):
+        ok = swap == "exchange" and real_exchange(a, b)
+        if ok:
+            events.append(("rename", a, b))
+        return ok
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(staging, "_exchange", exchange)
+    dst = tmp_path / "out"
+    if swap != "fresh":
+        shutil.copytree(other, dst)
+    assert cli(["convert", "hf-to-orbax", str(good / "single"), str(dst), "--overwrite"]) == 0
+    into = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(dst)]
+    assert len(into) == 1, events
+    tmp = events[into[0]][1]
+    assert os.path.basename(tmp).startswith(".out.tmp-")
+    synced_before = {e[1] for e in events[:into[0]] if e[0] == "fsync"}
+    written = [os.path.join(tmp, os.path.relpath(os.path.join(d, f), dst)) for d, _, fs in os.walk(dst) for f in fs]
+    dirs = [os.path.normpath(os.path.join(tmp, os.path.relpath(d, dst))) for d, _, _ in os.walk(dst)]
+    assert len(written) > 20 and not set(written + dirs) - synced_before, set(written + dirs) - synced_before
+    assert ("fsync", str(tmp_path)) in events[into[0] + 1:]            # the parent, after the rename
+    assert _which(dst, None, good / "orbax") == "new"
+    assert sorted(os.listdir(tmp_path)) == ["out"]                     # no temporary or backup sibling left
+
+
+_KILL_AT = r"""
+import os, sys, time
+from conversion import orbax_layout as L, staging
+point, exchange, src, dst = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+def at(p):
+    if p == point:
+        print("at", p, flush=True)
+        while not os.path.exists(dst + ".go"):   # the test signals, then lets the process go on
+            time.sleep(0.02)
+staging._at = at
+if not exchange:
+    staging._exchange = lambda a, b: False
+write_tree_metadata = L.write_tree_metadata
+def writing(*a):
+    at("write")
+    write_tree_metadata(*a)
+L.write_tree_metadata = writing
+from prisma_jax.cli import main
+sys.exit(main(["convert", "hf-to-orbax", src, dst, "--overwrite"]))
+"""
+
+
+@pytest.mark.parametrize("point,exchange,sig,expect", [
+    ("write", True, signal.SIGTERM, "old"),         # while the arrays are written
+    ("fsync", True, signal.SIGTERM, "old"),         # after writing, before the swap: deferred, then abandoned
+    ("swap", False, signal.SIGTERM, "old"),
+    ("between", False, signal.SIGTERM, "new"),      # between the fallback's two renames: deferred, completed
+    ("remove", True, signal.SIGTERM, "new"),        # swapped, the old one being removed
+    ("between", False, signal.SIGKILL, "old"),      # killed outright: the next conversion to DST puts it back
+    ("remove", True, signal.SIGKILL, "new"),
+])
+def test_a_signal_at_any_point_of_overwrite_leaves_the_old_or_the_new(good, other, tmp_path, point, exchange,
+                                                                      sig, expect):
+    from conversion.staging import check_destination
+
+    dst = tmp_path / "out"
+    shutil.copytree(other, dst)
+    old = _snapshot(dst)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_AT, point, str(int(exchange)), str(good / "single"),
+                             str(dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.stdout.readline().strip() == f"at {point}", proc.stderr.read()
+    proc.send_signal(sig)
+    time.sleep(0.2)
+    (tmp_path / "out.go").touch()
+    assert proc.wait(120) == (143 if sig == signal.SIGTERM else -9), proc.stderr.read()[-2000:]
+    os.remove(tmp_path / "out.go")
+    state = _which(dst, old, good / "orbax")
+    if sig == signal.SIGTERM:
+        assert state == expect
+        assert sorted(os.listdir(tmp_path)) == ["out"]
+    else:
+        assert state == ("absent" if point == "between" else expect)   # renamed away; the backup holds it
+        check_destination(str(dst), overwrite=True)
+        assert _which(dst, old, good / "orbax") == expect
+        assert not [n for n in os.listdir(tmp_path) if n.endswith(".old")]
