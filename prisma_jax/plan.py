@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import re
+import sys
 import time
 
 import jax
@@ -359,26 +360,34 @@ def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int
     return out
 
 
-def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 512) -> tuple[int, dict]:
+def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 512,
+                       log=None) -> tuple[int, dict]:
     """Largest global batch (a multiple of the batch shards) whose training step fits at `seq`: two compiles
     fix the affine memory model, a third checks its prediction (stepping down while it does not fit). When
     not even one row per batch shard fits, the sequence is halved (down to `min_seq`) until it does: the
-    result's `seq` says which length was planned. Returns (batch, result of the largest fitting compile, or
-    of the last one tried when nothing fits)."""
+    result's `seq` says which length was planned. `log(result)` sees every compile. Returns (batch, result of
+    the largest fitting compile, or of the last one tried when nothing fits)."""
     mesh = make_mesh(p.train, devices)
+
+    def plan_train_logged(tcfg):
+        r = plan_train(tcfg, p, devices)
+        if log is not None:
+            log(r)
+        return r
+
     unit = mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = make_cfg(unit, seq)
     state = bytes_per_device(abstract_train_state(cfg, mesh))
     if p.hbm_gib is not None and state > p.hbm_gib * GiB:     # no compile can fit: say why without one
         return 0, {**_train_plan_head(cfg, mesh), "memory": None, "fits": False, "seconds": 0.0,
                    "oom": f"the float32 weights + AdamW state alone are {_gib(state)} a device"}
-    r1 = plan_train(cfg, p, devices)
+    r1 = plan_train_logged(cfg)
     while not r1["fits"] and seq // 2 >= min_seq:
         seq //= 2
-        r1 = plan_train(make_cfg(unit, seq), p, devices)
+        r1 = plan_train_logged(make_cfg(unit, seq))
     if not r1["fits"]:
         return 0, r1
-    r2 = plan_train(make_cfg(2 * unit, seq), p, devices)
+    r2 = plan_train_logged(make_cfg(2 * unit, seq))
     if not r2["fits"]:
         return unit, r1
     slope = max(r2["memory"].total - r1["memory"].total, 1)
@@ -387,7 +396,7 @@ def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 51
     for k in (k, k - 1, k // 2):
         if k <= 2:
             break
-        r = plan_train(make_cfg(k * unit, seq), p, devices)
+        r = plan_train_logged(make_cfg(k * unit, seq))
         if r["fits"]:
             best = (k * unit, r)
             break
@@ -445,7 +454,12 @@ def run(args) -> int:
     print(f"prisma plan: {args.config} on {p.name} ({p.topology or 'simulated CPU'}, {p.n_devices} devices"
           + (f", {p.hbm_gib:g} GiB HBM each)" if p.hbm_gib else ")"))
     if args.search:
-        best, r = search_train_batch(cfg_of, p, devices, tcfg.train.seq_len)
+        def log(r):   # each compile as it finishes (a search takes minutes)
+            m = r["memory"]
+            print(f"  tried batch {r['batch']} × seq {r['seq']}: "
+                  + (r["oom"] if m is None else f"{_gib(m.total)} a device") + f" ({r['seconds']:.0f} s)",
+                  file=sys.stderr, flush=True)
+        best, r = search_train_batch(cfg_of, p, devices, tcfg.train.seq_len, log=log)
         print(format_train(r, p, cfg_of(r["batch"], r["seq"])))
         if best and r["seq"] == tcfg.train.seq_len:
             print(f"  largest batch that fits at seq {r['seq']}: {best}")
