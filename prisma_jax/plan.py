@@ -477,7 +477,7 @@ def run(args) -> int:
 
 
 def add_parser(sub):
-    ap = sub.add_parser("plan", help="ahead-of-time compile the training and decode steps for a TPU slice "
+    ap = sub.add_parser("plan", help="ahead-of-time compile the training step and decode loop for a TPU slice "
                                      "(memory per device, fits or not, FLOPs)")
     ap.add_argument("--config", required=True, help="model (+ training) YAML, e.g. configs/prisma_vl_8b.yaml")
     ap.add_argument("--mesh", required=True, help=f"preset: {', '.join(PRESETS)}")
@@ -491,7 +491,7 @@ def add_parser(sub):
     ap.add_argument("--gen-batch", type=int, help="decode batch (default: one row per batch shard)")
     ap.add_argument("--cache-len", type=int, help="decode KV-cache slots, prompt + 16 new (default: the training seq)")
     ap.add_argument("--search", action="store_true", help="find the largest training batch that fits")
-    ap.add_argument("--no-train", action="store_true", help="only the decode step")
+    ap.add_argument("--no-train", action="store_true", help="only the decode loop")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override, e.g. train.remat=dots (repeatable)")
     ap.set_defaults(func=run)
