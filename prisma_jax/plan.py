@@ -431,8 +431,8 @@ def format_decode(r: dict, p: Preset) -> str:
     m = r["memory"]
     hbm = "simulated" if p.hbm_gib is None else f"{p.hbm_gib:g} GiB"
     verdict = "" if r["fits"] is None else (": fits" if r["fits"] else ": DOES NOT FIT")
-    lines = [f"decode loop    generate.decode (greedy); mesh {r['mesh']}; batch {r['batch']}, cache {r['cache_len']} slots "
-             f"({r['cache_len'] - r['new_bucket']} prompt + {r['new_bucket']} new), bfloat16",
+    lines = [f"decode loop    generate.decode (greedy); mesh {r['mesh']}; batch {r['batch']}, cache {r['cache_len']} "
+             f"slots ({r['cache_len'] - r['new_bucket']} prompt + {r['new_bucket']} new), bfloat16",
              f"  per device: weights {_gib(r['weights'])}, arguments {_gib(m.arguments)}, temporaries "
              f"{_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}"]
     if "kv_budget_tokens" in r:

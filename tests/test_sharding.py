@@ -143,7 +143,7 @@ def test_plan_trains_with_image_slots(tmp_path):
         train_config(tiny, 4, 128)
     with pytest.raises(ValueError, match="data.max_images must be ≥ 0, got -1"):
         train_config(tiny, 4, 512, images=-1)
-    with pytest.raises(ValueError, match="data.image_size must be a positive multiple of patch_size·merge = 32, got 40"):
+    with pytest.raises(ValueError, match="data.image_size must be a positive multiple of .* = 32, got 40"):
         train_config(tiny, 4, 512, images=1, image_size=40)
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
