@@ -112,7 +112,7 @@ def scenario_mesh(ckpt: str, out: str) -> None:
         res["generate_codes_equal"] = bool(np.array_equal(g1.codes, g8.codes))
 
     # compiled decode step on the CPU mesh: what does it all-gather?
-    hlo = lower_decode(sh.config, sh.mesh, batch=4, cache_len=16, dtype="float32").compile().as_text()
+    hlo = lower_decode(sh.config, sh.mesh, batch=4, cache_len=32, dtype="float32").compile().as_text()
     res["decode_gathers"] = [[d, list(s)] for d, s in all_gathers(hlo)]
     res["decode_forbidden"] = [[d, list(s)] for d, s in forbidden_gathers(hlo, sh.config, 4)]
 
