@@ -1,33 +1,38 @@
-"""`prisma plan`: ahead-of-time compiles of the training step and the decode step for a TPU slice, from a
-CPU host, with the real TPU compiler (libtpu from the `[tpu]` extra) — nothing is materialised.
+"""`prisma plan`: ahead-of-time compiles of the training step and the decode program for a TPU slice, from
+a CPU host, with the real TPU compiler (libtpu from the `[tpu]` extra) — nothing is materialised.
 
-    prisma plan --config configs/prisma_vl_8b.yaml --mesh v5p-8 [--batch B --seq S] [--search]
+    prisma plan --config configs/prisma_vl_8b.yaml --mesh v5p-8 [--batch B --seq S] [--images N --image-size S]
+                [--search]
 
 `jax.experimental.topologies.get_topology_desc` gives abstract TPU devices for the preset's topology
 (sharding.PRESETS); every input is a `ShapeDtypeStruct` carrying its sharding (sharding.py's rules). For each
 step we print per-device bytes from `memory_analysis()` against the chip's HBM ("fits" / "does not fit"),
 the analytic FLOPs (6·N·tokens + attention; XLA's cost analysis counts a scanned layer body once), and any
 all-gather in the compiled HLO that materialises a whole table or `[B, V]` logits. `--mesh cpu-8` compiles
-for 8 simulated CPU devices instead. The training step is train/step.py's `make_train_step`; the decode step
-is `decode_step` below: one cached token through the model, its code and the greedy next token.
+for 8 simulated CPU devices instead. The programs are the real ones: the training step is train/step.py's
+`make_train_step` fed the batch train/data.py's `Collate` builds (its image slots included: a model-only YAML
+plans PLAN_IMAGES image a row of PLAN_IMAGE_SIZE²); the decode program is generate.py's `decode` (the
+`lax.while_loop` `generate` runs, greedy) on the state generate.py's `prefill` returns.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import model as M
 from .config import ModelConfig, read_yaml
 from .sharding import (PRESETS, Preset, abstract_sharded_params, make_mesh, opt_state_shardings,
                        param_shardings, preset, spec_for, CACHE_AXES)
-from .uncertainty import codes_from_logits
 
 GiB = 2**30
 PEAK_BF16_TFLOPS = {"v5e": 197.0, "v5p": 459.0, "v4": 275.0}   # per chip, vendor figures
@@ -62,43 +67,79 @@ def plan_devices(p: Preset) -> list:
 
 # ------------------------------------------------------------------------------------------------ steps
 
-def decode_step(cfg: ModelConfig, params: dict, cache: dict, token, code, position, key_valid, slot):
-    """One generated token: token [B] int32 with its incoming code [B] uint16 at M-RoPE position [B], written
-    to cache slot `slot` → (next greedy token [B], its code [B] uint16, cache, key_valid)."""
-    b = token.shape[0]
-    key_valid = jax.lax.dynamic_update_slice(key_valid, jnp.ones((b, 1), bool), (0, slot))
-    step = M.Batch(token[:, None], jnp.ones((b, 1), bool), code.astype(jnp.int32)[:, None],
-                   jnp.broadcast_to(position[None, :, None], (3, b, 1)))
-    h, cache = M.hidden(cfg, params, step, cache, slot, key_valid)
-    logits = M.head(cfg, params, h[:, 0])                                   # [B, V], vocab-sharded
-    new_code = codes_from_logits(logits, cfg.n_bits)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), new_code, cache, key_valid
+def decode_spec(new_bucket: int = 16):
+    """The decode program `generate` runs by default: greedy, mechanism on, layers scanned (the TPU layout)."""
+    from .generate import Spec
+
+    return Spec(greedy=True, introspection=True, new_bucket=new_bucket, keep_logits=False, unroll_layers=False)
 
 
 def _sds(shape, dtype, mesh, logical):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec_for(shape, logical, mesh)))
 
 
-def lower_decode(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype="bfloat16"):
-    """The jitted decode step lowered on `mesh` from abstract, sharded inputs (the cache is donated)."""
-    t = cfg.text
+def decode_args(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype="bfloat16", spec=None) -> tuple:
+    """generate.decode's arguments after (cfg, spec), as sharded `ShapeDtypeStruct`s: the state is what
+    generate.prefill returns (traced, not compiled) for a `[batch, cache_len − new_bucket]` prompt. The KV
+    cache follows CACHE_AXES, every `[B, ...]` leaf is split over the batch axes, the rest is replicated."""
+    from . import generate as G
+    from .sampling import SamplingParams
+
+    spec = spec or decode_spec()
+    p = cache_len - spec.new_bucket
+    if p < 1:
+        raise ValueError(f"--cache-len {cache_len} must exceed the decode output bucket {spec.new_bucket}")
+    rep = NamedSharding(mesh, P())
+    scalar = lambda dt: jax.ShapeDtypeStruct((), jnp.dtype(dt), sharding=rep)   # noqa: E731
     params = abstract_sharded_params(cfg, mesh, dtype)
-    shape = (t.num_hidden_layers, batch, cache_len, t.num_key_value_heads, t.head_dim)
-    cache = {"k": _sds(shape, dtype, mesh, CACHE_AXES), "v": _sds(shape, dtype, mesh, CACHE_AXES)}
-    args = (params, cache, _sds((batch,), jnp.int32, mesh, ("batch",)), _sds((batch,), jnp.uint16, mesh, ("batch",)),
-            _sds((batch,), jnp.int32, mesh, ("batch",)), _sds((batch, cache_len), bool, mesh, ("batch", None)),
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
-    fn = jax.jit(decode_step, static_argnums=0, donate_argnums=2)
+    row = ("batch", None)
+    prompt = M.Batch(_sds((batch, p), jnp.int32, mesh, row), _sds((batch, p), bool, mesh, row),
+                     _sds((batch, p), jnp.int32, mesh, row), _sds((3, batch, p), jnp.int32, mesh, (None,) + row))
+    sp = SamplingParams(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32))
+    eos = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep)
+    key = jax.eval_shape(lambda: jax.random.key(0))
     with jax.set_mesh(mesh):
-        return fn.lower(cfg, *args)
+        state = jax.eval_shape(functools.partial(G.prefill, cfg, spec), params, prompt,
+                               _sds((batch,), jnp.int32, mesh, ("batch",)), sp, eos, scalar(jnp.int32),
+                               jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
+
+    def place(x, logical=None):
+        if logical is None:
+            logical = ("batch",) + (None,) * (x.ndim - 1) if x.ndim and x.shape[0] == batch else (None,) * x.ndim
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec_for(x.shape, logical, mesh)))
+    state = jax.tree.map(place, state)._replace(cache=jax.tree.map(lambda x: place(x, CACHE_AXES), state.cache))
+    return params, state, sp, eos, scalar(jnp.int32), scalar(jnp.int32)
 
 
-def train_config(path: str, batch: int | None, seq: int | None, overrides=()):
+def lower_decode(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype="bfloat16", spec=None, args=None):
+    """generate.py's jitted decode program (the `lax.while_loop` that `generate` runs, the state donated)
+    lowered on `mesh` from `decode_args` (or the given `args`)."""
+    from . import generate as G
+
+    spec = spec or decode_spec()
+    args = args or decode_args(cfg, mesh, batch, cache_len, dtype, spec)
+    with jax.set_mesh(mesh):
+        return G.decode.lower(cfg, spec, *args)
+
+
+# a model-only YAML plans this many images per row at this size (448² → a 28 × 28 patch grid, 196 merged tokens)
+PLAN_IMAGES, PLAN_IMAGE_SIZE = 1, 448
+
+
+def train_config(path: str, batch: int | None, seq: int | None, overrides=(), images: int | None = None,
+                 image_size: int | None = None):
     """train/config.py's Config from a YAML; a model-only YAML gets a planning `train:` section (bfloat16
-    compute, full remat). `batch` / `seq` override train.batch_size / train.seq_len."""
+    compute, full remat) and `data:` section (PLAN_IMAGES image slots a row of PLAN_IMAGE_SIZE²). `batch` /
+    `seq` override train.batch_size / train.seq_len, `images` / `image_size` data.max_images /
+    data.image_size."""
     from train.config import apply_overrides, config_from_raw
 
     raw = apply_overrides(read_yaml(path), list(overrides))
+    if "train" not in raw:
+        data = dict(raw.get("data") or {})
+        data.setdefault("max_images", PLAN_IMAGES)
+        data.setdefault("image_size", PLAN_IMAGE_SIZE)
+        raw["data"] = data
     tr = dict(raw.get("train") or {})
     tr.setdefault("steps", 1)
     tr.setdefault("compute_dtype", "bfloat16")
@@ -110,7 +151,25 @@ def train_config(path: str, batch: int | None, seq: int | None, overrides=()):
         tr["seq_len"] = int(seq)
     tr.setdefault("batch_size", 1)
     raw["train"] = tr
-    return config_from_raw(raw)
+    if images is not None or image_size is not None:
+        raw["data"] = dict(raw.get("data") or {})
+        if images is not None:
+            raw["data"]["max_images"] = images
+        if image_size is not None:
+            raw["data"]["image_size"] = image_size
+    cfg = config_from_raw(raw)
+    d = cfg.data
+    per_row = image_tokens(cfg)
+    if per_row >= cfg.train.seq_len:
+        raise ValueError(f"{d.max_images} image(s) of {d.image_size}² take {per_row} tokens a row, not fewer than "
+                         f"train.seq_len {cfg.train.seq_len}")
+    return cfg
+
+
+def image_tokens(tcfg) -> int:
+    """Merged vision tokens one row's image slots take (data.max_images images of data.image_size²)."""
+    d, v = tcfg.data, tcfg.model.vision
+    return d.max_images * (d.image_size // v.patch_size) ** 2 // v.spatial_merge_size ** 2
 
 
 def abstract_train_state(tcfg, mesh: Mesh):
@@ -127,18 +186,38 @@ def abstract_train_state(tcfg, mesh: Mesh):
                       jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
 
 
+def abstract_train_batch(tcfg, mesh: Mesh):
+    """The global TrainBatch the trainer feeds its step, as sharded `ShapeDtypeStruct`s: train/data.py's
+    `Collate` of a whole batch of text rows (so its `data.max_images` image slots a row of `data.image_size`²,
+    zero pixels and vision geometry, exactly as training builds them), each field laid out like
+    train/sharded.py's `put_batch` (row fields over the batch axes, the rest replicated)."""
+    from train import sharded
+    from train.data import Collate
+
+    s, rows = tcfg.train.seq_len, tcfg.train.batch_size
+    text_row = {"ids": np.zeros(s, np.int32), "mask": np.ones(s, bool), "supervised": np.ones(s, bool),
+                "pixels": None}
+    host = Collate(tcfg, rows)([text_row] * rows)
+    rep = NamedSharding(mesh, P())
+
+    def place(name, x):
+        dt = jax.dtypes.canonicalize_dtype(x.dtype)
+        if name not in sharded._ROW_AXIS:
+            return jax.ShapeDtypeStruct(x.shape, dt, sharding=rep)
+        logical = tuple("batch" if i == sharded._ROW_AXIS[name] else None for i in range(x.ndim))
+        return _sds(x.shape, dt, mesh, logical)
+    return type(host)(*(None if x is None else jax.tree.map(functools.partial(place, name), x)
+                        for name, x in zip(host._fields, host)))
+
+
 def lower_train(tcfg, mesh: Mesh):
     """train/step.py's training step lowered on `mesh`: float32 master weights and AdamW state sharded like the
-    params, the batch `[A, b, S]` over the batch axes, the state donated."""
-    from train.step import TrainBatch, make_train_step
+    params, the batch of `abstract_train_batch` (text `[A, b, S]` over the batch axes, the image slots), the
+    state donated."""
+    from train.step import make_train_step
 
     state = abstract_train_state(tcfg, mesh)
-    a = tcfg.train.grad_accum
-    b, s = tcfg.train.batch_size // a, tcfg.train.seq_len
-    row = (None, "batch", None)
-    batch = TrainBatch(_sds((a, b, s), jnp.int32, mesh, row), _sds((a, b, s), bool, mesh, row),
-                       _sds((a, b, s), jnp.int32, mesh, row), _sds((a, 3, b, s), jnp.int32, mesh, (None, None, "batch", None)),
-                       _sds((a, b, s), jnp.int32, mesh, row))
+    batch = abstract_train_batch(tcfg, mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     fn = jax.jit(make_train_step(tcfg, state.params), donate_argnums=0,
                  out_shardings=(state_sh, NamedSharding(mesh, P())))
@@ -265,15 +344,14 @@ def plan_train(tcfg, p: Preset, devices) -> dict:
 def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int, dtype="bfloat16") -> dict:
     mesh = make_mesh(p.generate, devices)
     t0 = time.time()
-    compiled = lower_decode(cfg, mesh, batch, cache_len, dtype).compile()
+    spec = decode_spec()
+    args = decode_args(cfg, mesh, batch, cache_len, dtype, spec)
+    compiled = lower_decode(cfg, mesh, batch, cache_len, dtype, spec, args).compile()
     mem = memory(compiled)
-    weights = bytes_per_device(abstract_sharded_params(cfg, mesh, dtype))
-    cache = 2 * math.prod(NamedSharding(mesh, spec_for(
-        (cfg.text.num_hidden_layers, batch, cache_len, cfg.text.num_key_value_heads, cfg.text.head_dim),
-        CACHE_AXES, mesh)).shard_shape((cfg.text.num_hidden_layers, batch, cache_len, cfg.text.num_key_value_heads,
-                                        cfg.text.head_dim))) * jnp.dtype(dtype).itemsize
-    out = {"mesh": _mesh_str(mesh), "batch": batch, "cache_len": cache_len, "memory": mem, "weights": weights,
-           "seconds": time.time() - t0, "bad_gathers": forbidden_gathers(compiled.as_text(), cfg, batch),
+    weights, cache = bytes_per_device(args[0]), bytes_per_device(args[1].cache)
+    out = {"mesh": _mesh_str(mesh), "batch": batch, "cache_len": cache_len, "new_bucket": spec.new_bucket,
+           "memory": mem, "weights": weights, "cache": cache, "seconds": time.time() - t0,
+           "bad_gathers": forbidden_gathers(compiled.as_text(), cfg, batch),
            "fits": None if p.hbm_gib is None else mem.total <= p.hbm_gib * GiB}
     if p.hbm_gib is not None:   # what is left for the cache, as tokens (batch × length) over the whole mesh
         scratch = mem.total - weights - cache
@@ -282,26 +360,34 @@ def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int
     return out
 
 
-def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 512) -> tuple[int, dict]:
+def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 512,
+                       log=None) -> tuple[int, dict]:
     """Largest global batch (a multiple of the batch shards) whose training step fits at `seq`: two compiles
     fix the affine memory model, a third checks its prediction (stepping down while it does not fit). When
     not even one row per batch shard fits, the sequence is halved (down to `min_seq`) until it does: the
-    result's `seq` says which length was planned. Returns (batch, result of the largest fitting compile, or
-    of the last one tried when nothing fits)."""
+    result's `seq` says which length was planned. `log(result)` sees every compile. Returns (batch, result of
+    the largest fitting compile, or of the last one tried when nothing fits)."""
     mesh = make_mesh(p.train, devices)
+
+    def plan_train_logged(tcfg):
+        r = plan_train(tcfg, p, devices)
+        if log is not None:
+            log(r)
+        return r
+
     unit = mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = make_cfg(unit, seq)
     state = bytes_per_device(abstract_train_state(cfg, mesh))
     if p.hbm_gib is not None and state > p.hbm_gib * GiB:     # no compile can fit: say why without one
         return 0, {**_train_plan_head(cfg, mesh), "memory": None, "fits": False, "seconds": 0.0,
                    "oom": f"the float32 weights + AdamW state alone are {_gib(state)} a device"}
-    r1 = plan_train(cfg, p, devices)
+    r1 = plan_train_logged(cfg)
     while not r1["fits"] and seq // 2 >= min_seq:
         seq //= 2
-        r1 = plan_train(make_cfg(unit, seq), p, devices)
+        r1 = plan_train_logged(make_cfg(unit, seq))
     if not r1["fits"]:
         return 0, r1
-    r2 = plan_train(make_cfg(2 * unit, seq), p, devices)
+    r2 = plan_train_logged(make_cfg(2 * unit, seq))
     if not r2["fits"]:
         return unit, r1
     slope = max(r2["memory"].total - r1["memory"].total, 1)
@@ -310,7 +396,7 @@ def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 51
     for k in (k, k - 1, k // 2):
         if k <= 2:
             break
-        r = plan_train(make_cfg(k * unit, seq), p, devices)
+        r = plan_train_logged(make_cfg(k * unit, seq))
         if r["fits"]:
             best = (k * unit, r)
             break
@@ -322,9 +408,12 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
     hbm = "simulated" if p.hbm_gib is None else f"{p.hbm_gib:g} GiB"
     verdict = "" if r["fits"] is None else (": fits" if r["fits"] else ": DOES NOT FIT")
     tr = tcfg.train
-    lines = [f"training step  mesh {r['mesh']}; batch {r['batch']} × seq {r['seq']} (grad_accum {tr.grad_accum}, "
-             f"introspection passes {tr.introspection_passes}); params + AdamW float32, compute {tr.compute_dtype}, "
-             f"remat {tr.remat}",
+    d = tcfg.data
+    imgs = (f"{d.max_images} image slot(s) a row of {d.image_size}² ({image_tokens(tcfg)} tokens)" if d.max_images
+            else "no image slots")
+    lines = [f"training step  mesh {r['mesh']}; batch {r['batch']} × seq {r['seq']}, {imgs} (grad_accum "
+             f"{tr.grad_accum}, introspection passes {tr.introspection_passes}); params + AdamW float32, compute "
+             f"{tr.compute_dtype}, remat {tr.remat}",
              f"  per device: arguments {_gib(m.arguments)}, outputs {_gib(m.outputs)} (aliased {_gib(m.aliased)}), "
              f"temporaries {_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}" if m is not None else
              f"  per device: {r['oom']}{verdict}",
@@ -342,7 +431,8 @@ def format_decode(r: dict, p: Preset) -> str:
     m = r["memory"]
     hbm = "simulated" if p.hbm_gib is None else f"{p.hbm_gib:g} GiB"
     verdict = "" if r["fits"] is None else (": fits" if r["fits"] else ": DOES NOT FIT")
-    lines = [f"decode step    mesh {r['mesh']}; batch {r['batch']}, cache {r['cache_len']} slots, bfloat16",
+    lines = [f"decode loop    generate.decode (greedy); mesh {r['mesh']}; batch {r['batch']}, cache {r['cache_len']} "
+             f"slots ({r['cache_len'] - r['new_bucket']} prompt + {r['new_bucket']} new), bfloat16",
              f"  per device: weights {_gib(r['weights'])}, arguments {_gib(m.arguments)}, temporaries "
              f"{_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}"]
     if "kv_budget_tokens" in r:
@@ -359,13 +449,18 @@ def run(args) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={p.n_devices}").strip()
     devices = plan_devices(p)
-    tcfg = train_config(args.config, args.batch, args.seq, args.set)
+    cfg_of = lambda b, s: train_config(args.config, b, s, args.set, args.images, args.image_size)  # noqa: E731
+    tcfg = cfg_of(args.batch, args.seq)
     print(f"prisma plan: {args.config} on {p.name} ({p.topology or 'simulated CPU'}, {p.n_devices} devices"
           + (f", {p.hbm_gib:g} GiB HBM each)" if p.hbm_gib else ")"))
     if args.search:
-        best, r = search_train_batch(lambda b, s: train_config(args.config, b, s, args.set), p, devices,
-                                     tcfg.train.seq_len)
-        print(format_train(r, p, train_config(args.config, r["batch"], r["seq"], args.set)))
+        def log(r):   # each compile as it finishes (a search takes minutes)
+            m = r["memory"]
+            print(f"  tried batch {r['batch']} × seq {r['seq']}: "
+                  + (r["oom"] if m is None else f"{_gib(m.total)} a device") + f" ({r['seconds']:.0f} s)",
+                  file=sys.stderr, flush=True)
+        best, r = search_train_batch(cfg_of, p, devices, tcfg.train.seq_len, log=log)
+        print(format_train(r, p, cfg_of(r["batch"], r["seq"])))
         if best and r["seq"] == tcfg.train.seq_len:
             print(f"  largest batch that fits at seq {r['seq']}: {best}")
         elif best:
@@ -382,16 +477,21 @@ def run(args) -> int:
 
 
 def add_parser(sub):
-    ap = sub.add_parser("plan", help="ahead-of-time compile the training and decode steps for a TPU slice "
+    ap = sub.add_parser("plan", help="ahead-of-time compile the training step and decode loop for a TPU slice "
                                      "(memory per device, fits or not, FLOPs)")
     ap.add_argument("--config", required=True, help="model (+ training) YAML, e.g. configs/prisma_vl_8b.yaml")
     ap.add_argument("--mesh", required=True, help=f"preset: {', '.join(PRESETS)}")
     ap.add_argument("--batch", type=int, help="global training batch (default: train.batch_size or 1)")
     ap.add_argument("--seq", type=int, help="training sequence length (default: train.seq_len or 4096)")
+    ap.add_argument("--images", type=int, help="image slots a training row (data.max_images; default: the "
+                    f"YAML's data section, or {PLAN_IMAGES} for a model-only YAML)")
+    ap.add_argument("--image-size", type=int, help="training image side in pixels (data.image_size; default: the "
+                    f"YAML's, or {PLAN_IMAGE_SIZE} for a model-only YAML: {PLAN_IMAGE_SIZE}² = "
+                    f"{(PLAN_IMAGE_SIZE // 16) ** 2 // 4} merged tokens at patch 16, merge 2)")
     ap.add_argument("--gen-batch", type=int, help="decode batch (default: one row per batch shard)")
-    ap.add_argument("--cache-len", type=int, help="decode KV-cache slots (default: the training seq)")
+    ap.add_argument("--cache-len", type=int, help="decode KV-cache slots, prompt + 16 new (default: the training seq)")
     ap.add_argument("--search", action="store_true", help="find the largest training batch that fits")
-    ap.add_argument("--no-train", action="store_true", help="only the decode step")
+    ap.add_argument("--no-train", action="store_true", help="only the decode loop")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override, e.g. train.remat=dots (repeatable)")
     ap.set_defaults(func=run)

@@ -4,7 +4,7 @@ stays single-device. The parent sets XLA_FLAGS (device count) before this import
     python sharding_worker.py mesh CKPT OUT           # one process, 8 CPU devices: sharded vs one device
     python sharding_worker.py mh_train PORT PID OUT   # one of two processes × 4 devices: tiny_sft steps + save
     python sharding_worker.py mh_restore PORT PID OUT # one of two fresh processes: restore + check
-    python sharding_worker.py tpu OUT                 # tiny-model TPU ahead-of-time compile (v5p:2x2x1)
+    python sharding_worker.py tpu OUT                 # tiny-model TPU ahead-of-time compiles (v5p:2x2x1)
     python sharding_worker.py table CKPT SEED OUT     # 8 CPU devices: fresh tables on the mesh, batch rules
 
 Results go to OUT (JSON + .npz); the tests assert on them against the single-device numbers.
@@ -135,7 +135,7 @@ def scenario_mesh(ckpt: str, out: str) -> None:
         res["generate_codes_equal"] = bool(np.array_equal(g1.codes, g8.codes))
 
     # compiled decode step on the CPU mesh: what does it all-gather?
-    hlo = lower_decode(sh.config, sh.mesh, batch=4, cache_len=16, dtype="float32").compile().as_text()
+    hlo = lower_decode(sh.config, sh.mesh, batch=4, cache_len=32, dtype="float32").compile().as_text()
     res["decode_gathers"] = [[d, list(s)] for d, s in all_gathers(hlo)]
     res["decode_forbidden"] = [[d, list(s)] for d, s in forbidden_gathers(hlo, sh.config, 4)]
 
@@ -216,7 +216,8 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
 
 def scenario_tpu(out: str) -> None:
     from prisma_jax.config import load_config
-    from prisma_jax.plan import all_gathers, forbidden_gathers, lower_decode, memory, plan_devices
+    from prisma_jax.plan import (abstract_train_batch, all_gathers, bytes_per_device, forbidden_gathers, lower_decode,
+                                 lower_train, memory, plan_devices, train_config)
     from prisma_jax.sharding import PRESETS, make_mesh, preset
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
@@ -230,7 +231,19 @@ def scenario_tpu(out: str) -> None:
     res = {"platform": devices[0].platform, "n_devices": len(devices), "memory_total": m.total,
            "arguments": m.arguments, "gathers": [[d, list(s)] for d, s in all_gathers(hlo)],
            "forbidden": [[d, list(s)] for d, s in forbidden_gathers(hlo, cfg, 4)],
-           "hlo_has_tpu_layout": ":T(" in hlo, "topology_devices": topology_devices}
+           "hlo_has_tpu_layout": ":T(" in hlo, "hlo_has_while": " while(" in hlo,
+           "topology_devices": topology_devices}
+    # the planned training step with and without image slots: what the slots add per device
+    tmesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, devices)
+    yaml = os.path.join(ROOT, "configs", "tiny.yaml")
+    res["train"] = {}
+    for images in (0, 2):
+        tcfg = train_config(yaml, 8, 64, images=images, image_size=64)
+        mt = memory(lower_train(tcfg, tmesh).compile())
+        batch = abstract_train_batch(tcfg, tmesh)
+        res["train"][images] = {"arguments": mt.arguments, "temporaries": mt.temporaries,
+                                "pixel_shape": None if batch.pixel_values is None else list(batch.pixel_values.shape),
+                                "pixel_bytes": bytes_per_device(batch.pixel_values)}
     with open(out, "w") as f:
         json.dump(res, f)
 

@@ -72,3 +72,34 @@ def test_bad_input_fails_before_compiling(model, kw, match):
 
 def test_bucket():
     assert [G.bucket(n, 16) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+
+
+def test_plan_lowers_the_decode_program_generate_runs(model, monkeypatch):
+    """`prisma plan` compiles generate.decode itself, on arguments shaped and typed like the ones `generate`
+    passes it after a real prefill."""
+    import jax
+
+    from prisma_jax import plan as PL
+    from prisma_jax.sharding import make_mesh
+
+    cfg = model.config
+    p = G.plan(cfg, _ids(9), max_new_tokens=4, prompt_floor=8, new_floor=8, unroll_layers=False)
+    state = G.prefill(cfg, p.spec, model.params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
+    real = (model.params, state, p.sp, p.eos, p.pad, p.max_new)
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    b, slots = state.key_valid.shape                          # 2 rows, 16 prompt + 8 new slots
+    planned = PL.decode_args(cfg, mesh, b, slots, "float32", p.spec)
+    kind = lambda x: (tuple(np.shape(x)), str(x.dtype))      # noqa: E731
+    assert jax.tree.structure(planned) == jax.tree.structure(real)
+    assert jax.tree.leaves(jax.tree.map(kind, planned)) == jax.tree.leaves(jax.tree.map(kind, real))
+
+    lowered = []
+
+    class Spy:                                                # generate.decode, recording what is lowered
+        def lower(self, *a):
+            lowered.append(a[:2])
+            return decode.lower(*a)
+    decode = G.decode
+    monkeypatch.setattr(G, "decode", Spy())
+    hlo = PL.lower_decode(cfg, mesh, b, slots, "float32", p.spec).as_text()
+    assert lowered == [(cfg, p.spec)] and "while" in hlo

@@ -144,7 +144,46 @@ def test_plan_reads_the_tpu_compilers_refusal():
 
 def _tiny_train_config(batch, seq):
     from prisma_jax.plan import train_config
-    return train_config(os.path.join(ROOT, "configs", "tiny.yaml"), batch, seq)
+    return train_config(os.path.join(ROOT, "configs", "tiny.yaml"), batch, seq, images=0)
+
+
+def test_plan_trains_with_image_slots(tmp_path):
+    """A model-only YAML plans one 448² image a row, a training YAML its own data section, --images /
+    --image-size override either; the planned batch is the trainer's: `Collate`'s slots, zero pixels, geometry."""
+    import jax
+    from prisma_jax.plan import abstract_train_batch, image_tokens, train_config
+    from prisma_jax.sharding import make_mesh
+
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    c = train_config(tiny, 4, 512)
+    assert (c.data.max_images, c.data.image_size, image_tokens(c)) == (1, 448, 196)    # (448 / 16)² / 2²
+    c = train_config(tiny, 4, 512, images=3, image_size=64)
+    assert (c.data.max_images, c.data.image_size, image_tokens(c)) == (3, 64, 12)
+    own = tmp_path / "train.yaml"
+    own.write_text(open(tiny).read() + "train: {steps: 1, batch_size: 2, seq_len: 128}\ndata: {image_size: 96}\n")
+    c = train_config(str(own), None, None)
+    assert (c.data.max_images, c.data.image_size, c.train.batch_size) == (1, 96, 2)   # DataSection's slot count
+    with pytest.raises(ValueError, match="196 tokens a row, not fewer than train.seq_len 128"):
+        train_config(tiny, 4, 128)
+    with pytest.raises(ValueError, match="data.max_images must be ≥ 0, got -1"):
+        train_config(tiny, 4, 512, images=-1)
+    with pytest.raises(ValueError, match="data.image_size must be a positive multiple of .* = 32, got 40"):
+        train_config(tiny, 4, 512, images=1, image_size=40)
+
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    b = abstract_train_batch(train_config(tiny, 6, 256, ["train.grad_accum=2"], images=2, image_size=64), mesh)
+    # 2 micro-batches of 3 rows; 3 · 2 slots of a 4 × 4 patch grid, each patch 3 channels · 2 frames · 16²
+    assert b.input_ids.shape == (2, 3, 256) and b.positions.shape == (2, 3, 3, 256)
+    assert b.pixel_values.shape == (2, 3 * 2 * 16, 3 * 2 * 16 * 16) and b.pixel_values.dtype == jnp.float32
+    assert b.geometry.rows.shape == (3 * 2 * 16,) and b.geometry.frame_len == 16
+    assert abstract_train_batch(train_config(tiny, 6, 256, images=0), mesh).pixel_values is None
+
+
+def test_plan_help_states_the_default_image(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "or 1 for a model-only YAML" in out and "or 448 for a model-only YAML: 448² = 196 merged tokens" in out
 
 
 @pytest.mark.parametrize("hbm, seq, want, calls", [

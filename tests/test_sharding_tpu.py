@@ -1,7 +1,9 @@
-"""An ahead-of-time compile of the tiny model's decode step with the real TPU compiler (libtpu, `[tpu]` extra)
-for a v5p:2x2x1 topology, from this CPU machine: it compiles for TPU, and its HLO all-gathers no table and no
-`[B, V]` logits (the TPU partitioner is the one that matters)."""
+"""Ahead-of-time compiles of the tiny model with the real TPU compiler (libtpu, `[tpu]` extra) for a v5p:2x2x1
+topology, from this CPU machine: generate.py's decode loop compiles for TPU and its HLO all-gathers no table
+and no `[B, V]` logits (the TPU partitioner is the one that matters); the planned training step carries its
+image slots, whose pixels the compiler counts in every device's arguments."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,8 +21,21 @@ def test_tiny_decode_step_compiles_for_tpu_without_table_gathers(tmp_path):
     with open(out) as f:
         r = json.load(f)
     assert r["platform"] == "tpu" and r["n_devices"] == 4 and r["hlo_has_tpu_layout"]
-    assert r["forbidden"] == []
+    assert r["forbidden"] == [] and r["hlo_has_while"]       # the whole `lax.while_loop`, not one step
     # every TPU preset's abstract topology has the preset's device count (v4: megacore chips, one device each)
     from prisma_jax.sharding import PRESETS
     assert r["topology_devices"] == {p.name: p.n_devices for p in PRESETS.values() if p.topology}
     assert r["arguments"] > 0 and r["memory_total"] >= r["arguments"]
+
+    # training, batch 8 × seq 64 on fsdp=4, 0 or 2 image slots a row of 64² (a 4 × 4 patch grid): the slots are
+    # 8 · 2 · 16 patch rows of 3 · 2 · 16² float32 pixels, whole on every device or split over the 4 row shards
+    # (train/sharded.py decides), plus their geometry (≤ 4 + 4 + 3 numbers a patch, 4 bytes each; the compiler
+    # may drop a leaf the program does not read)
+    n = 8 * 2 * 16
+    pixel_bytes, geometry_bytes = n * 3 * 2 * 16 * 16 * 4, n * 11 * 4
+    t0, t2 = r["train"]["0"], r["train"]["2"]
+    assert t0["pixel_shape"] is None and math.prod(t2["pixel_shape"]) == n * 3 * 2 * 16 * 16
+    assert t2["pixel_bytes"] in (pixel_bytes, pixel_bytes // 4)
+    added = t2["arguments"] - t0["arguments"]
+    assert t2["pixel_bytes"] <= added <= t2["pixel_bytes"] + geometry_bytes
+    assert t2["temporaries"] > t0["temporaries"]               # the vision tower's activations
