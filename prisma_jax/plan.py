@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import model as M
 from .config import ModelConfig, read_yaml
-from .sharding import (PRESETS, Preset, abstract_sharded_params, make_mesh, opt_state_shardings,
+from .sharding import (PRESETS, Preset, abstract_sharded_params, batch_shards, make_mesh, opt_state_shardings,
                        param_shardings, preset, spec_for, CACHE_AXES)
 
 GiB = 2**30
@@ -127,11 +127,11 @@ PLAN_IMAGES, PLAN_IMAGE_SIZE = 1, 448
 
 
 def train_config(path: str, batch: int | None, seq: int | None, overrides=(), images: int | None = None,
-                 image_size: int | None = None):
+                 image_size: int | None = None, default_batch: int = 1):
     """train/config.py's Config from a YAML; a model-only YAML gets a planning `train:` section (bfloat16
     compute, full remat) and `data:` section (PLAN_IMAGES image slots a row of PLAN_IMAGE_SIZE²). `batch` /
-    `seq` override train.batch_size / train.seq_len, `images` / `image_size` data.max_images /
-    data.image_size."""
+    `seq` override train.batch_size / train.seq_len (else `default_batch` rows when the YAML names none),
+    `images` / `image_size` data.max_images / data.image_size."""
     from train.config import apply_overrides, config_from_raw
 
     raw = apply_overrides(read_yaml(path), list(overrides))
@@ -149,7 +149,7 @@ def train_config(path: str, batch: int | None, seq: int | None, overrides=(), im
         tr["batch_size"] = int(batch)
     if seq is not None:
         tr["seq_len"] = int(seq)
-    tr.setdefault("batch_size", 1)
+    tr.setdefault("batch_size", default_batch)
     raw["train"] = tr
     if images is not None or image_size is not None:
         raw["data"] = dict(raw.get("data") or {})
@@ -202,9 +202,9 @@ def abstract_train_batch(tcfg, mesh: Mesh):
 
     def place(name, x):
         dt = jax.dtypes.canonicalize_dtype(x.dtype)
-        if name not in sharded._ROW_AXIS:
+        if name not in sharded.ROW_AXIS:
             return jax.ShapeDtypeStruct(x.shape, dt, sharding=rep)
-        logical = tuple("batch" if i == sharded._ROW_AXIS[name] else None for i in range(x.ndim))
+        logical = tuple("batch" if i == sharded.ROW_AXIS[name] else None for i in range(x.ndim))
         return _sds(x.shape, dt, mesh, logical)
     return type(host)(*(None if x is None else jax.tree.map(functools.partial(place, name), x)
                         for name, x in zip(host._fields, host)))
@@ -449,7 +449,9 @@ def run(args) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={p.n_devices}").strip()
     devices = plan_devices(p)
-    cfg_of = lambda b, s: train_config(args.config, b, s, args.set, args.images, args.image_size)  # noqa: E731
+    shards = batch_shards(make_mesh(p.train, devices))   # the default batch: one row per batch shard
+    cfg_of = lambda b, s: train_config(args.config, b, s, args.set, args.images, args.image_size,  # noqa: E731
+                                       default_batch=shards)
     tcfg = cfg_of(args.batch, args.seq)
     print(f"prisma plan: {args.config} on {p.name} ({p.topology or 'simulated CPU'}, {p.n_devices} devices"
           + (f", {p.hbm_gib:g} GiB HBM each)" if p.hbm_gib else ")"))
@@ -481,7 +483,7 @@ def add_parser(sub):
                                      "(memory per device, fits or not, FLOPs)")
     ap.add_argument("--config", required=True, help="model (+ training) YAML, e.g. configs/prisma_vl_8b.yaml")
     ap.add_argument("--mesh", required=True, help=f"preset: {', '.join(PRESETS)}")
-    ap.add_argument("--batch", type=int, help="global training batch (default: train.batch_size or 1)")
+    ap.add_argument("--batch", type=int, help="global training batch (default: train.batch_size, or one row per batch shard)")
     ap.add_argument("--seq", type=int, help="training sequence length (default: train.seq_len or 4096)")
     ap.add_argument("--images", type=int, help="image slots a training row (data.max_images; default: the "
                     f"YAML's data section, or {PLAN_IMAGES} for a model-only YAML)")
