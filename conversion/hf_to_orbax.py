@@ -4,7 +4,7 @@ Every tensor is validated first (files, keys, shapes against config.json, table 
 block by block — a memory-mapped row block of the source, transposed into a column block of our kernel,
 written into the zarr chunk it fills — so peak memory is a few blocks (≤ 64 MB each) plus the interpreter,
 whatever the model size. The dtype is the source's unless `dtype` asks otherwise (bf16 stays bf16).
-A plain Qwen3-VL source gets the uncertainty table of INTROSPECTION.md §1 (zeros by default, or normal(0, 0.02)).
+A plain Qwen3-VL source gets the uncertainty table of docs/introspection-contract.md §1 (zeros by default, or normal(0, 0.02)).
 The crc32 of each tensor (Hugging Face layout) and of each chunk is recorded (orbax_layout.py, "checksums").
 """
 from __future__ import annotations

@@ -118,13 +118,13 @@ class PrismaVL:
 
     def forward(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, codes_in=None):
         """Logits [B, S, V] (the params' dtype). `codes_in [B, S]`: −1 none, else a table row; None = the
-        prompt rule of INTROSPECTION.md §4 (first real token none, neutral elsewhere)."""
+        prompt rule of docs/introspection-contract.md §4 (first real token none, neutral elsewhere)."""
         batch = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw, codes_in)
         with self._precision(), self._on_mesh():
             return _forward(self.config, self.params, self._place(batch))
 
     def uncertainty_codes(self, logits) -> np.ndarray:
-        """INTROSPECTION.md §2 codes (uint16) of logits [..., V]."""
+        """docs/introspection-contract.md §2 codes (uint16) of logits [..., V]."""
         logits = jnp.asarray(logits)
         if logits.shape[-1] != self.config.text.vocab_size:
             raise ValueError(f"logits last axis {logits.shape[-1]} != vocab size {self.config.text.vocab_size}")

@@ -79,7 +79,7 @@ class ModelConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
-    n_bits: int = 16  # uncertainty code width: table rows L = 2**n_bits (INTROSPECTION.md §1)
+    n_bits: int = 16  # uncertainty code width: table rows L = 2**n_bits (docs/introspection-contract.md §1)
 
     @property
     def n_levels(self) -> int:

@@ -4,7 +4,7 @@
     decode(params, state)   → DecodeState          (the cache is donated; the host is not involved per token)
 
 `DecodeState` holds everything the loop needs, the introspective mechanism included: the previous code is a
-uint16 per row, computed from the very logits the row's last token was drawn from (INTROSPECTION.md §2) and
+uint16 per row, computed from the very logits the row's last token was drawn from (docs/introspection-contract.md §2) and
 injected with that token at the next position (§3, §4's decode rule). The prompt gets §4's prompt rule.
 
 Shapes are bucketed so that few programs serve many requests: prompts are left-padded to a power of two

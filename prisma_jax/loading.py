@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoint → parameter pytree (host NumPy), checked against its config.
 
-The table size decides `n_bits` (INTROSPECTION.md §1): a checkpoint with `model.uncertainty_embeddings.weight`
+The table size decides `n_bits` (docs/introspection-contract.md §1): a checkpoint with `model.uncertainty_embeddings.weight`
 of 2**k rows has n_bits = k; a plain Qwen3-VL checkpoint gets a fresh table (`uncertainty.fresh_table`: zeros by
 default, so the model reproduces Qwen3-VL exactly, or normal(0, 0.02) from `seed` on request).
 """

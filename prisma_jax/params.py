@@ -127,7 +127,7 @@ def _leaf_init(path: Path, uncertainty_init: str) -> str:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02,
                 uncertainty_init: str = "normal") -> dict:
     """Random parameters (traceable: jit it, e.g. with `out_shardings`): normal(0, std) matrices, ones for norm
-    scales, zeros for biases. `uncertainty_init`: "normal" (a fresh table, INTROSPECTION.md §1: drawn by
+    scales, zeros for biases. `uncertainty_init`: "normal" (a fresh table, docs/introspection-contract.md §1: drawn by
     `uncertainty.table_rows` from `key`, so `key = jax.random.key(seed)` gives `uncertainty.fresh_table(seed)`)
     or "zeros" (reproduces Qwen3-VL)."""
     from .uncertainty import check_table_init, table_rows

@@ -12,7 +12,7 @@ Why the big tables are laid out as they are (docs/sharding.md has the long form)
 `[V, D]`, `lm_head` `[D, V]` and the uncertainty table `[L, D]` put their rows (vocabulary / levels) on
 `tensor` and the model dimension on `fsdp`. A lookup is then a masked local gather plus a sum over
 `tensor` of a `[B, S, D]` activation — never a gathered table — and the logits come out vocab-sharded, so
-the entropy of INTROSPECTION.md §2 (max, Σexp, Σexp·z over the vocabulary) is combined from per-shard
+the entropy of docs/introspection-contract.md §2 (max, Σexp, Σexp·z over the vocabulary) is combined from per-shard
 partial reductions without forming `[B, V]` anywhere.
 
 A batch dimension that the batch axes (data × fsdp) do not divide is an error naming the sizes (`spec_for`,

@@ -1,4 +1,4 @@
-"""The introspective mechanism, all of it (INTROSPECTION.md, section by section).
+"""The introspective mechanism, all of it (docs/introspection-contract.md, section by section).
 
 §1  A table `U [L, hidden]`, L = 2**n_bits, lives at `params["uncertainty"]["embedding"]`. Neutral code N = L/2.
     `fresh_table` / `table_rows`: the one initialisation of a new table (zeros, or normal(0, 0.02) from a seed),
@@ -98,7 +98,7 @@ def codes_from_entropy(h: jax.Array, vocab_size: int, n_bits: int) -> jax.Array:
 
 
 def codes_from_logits(logits: jax.Array, n_bits: int) -> jax.Array:
-    """INTROSPECTION.md §2: [..., V] logits → [...] uint16 codes (V is the logits' last axis)."""
+    """docs/introspection-contract.md §2: [..., V] logits → [...] uint16 codes (V is the logits' last axis)."""
     return codes_from_entropy(entropy(logits), logits.shape[-1], n_bits)
 
 

@@ -1,5 +1,5 @@
 """The independent side of the generation tests: a plain sequential greedy loop in PyTorch (transformers in
-float64, full recompute every step, no cache), with INTROSPECTION.md §2–4 written out in NumPy float64."""
+float64, full recompute every step, no cache), with docs/introspection-contract.md §2–4 written out in NumPy float64."""
 from __future__ import annotations
 
 import math

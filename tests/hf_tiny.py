@@ -1,7 +1,7 @@
 """Tiny random Qwen3-VL / Prisma-VL checkpoints built with transformers, and the PyTorch references.
 
 These are the independent side of every parity test: transformers' `Qwen3VLForConditionalGeneration`
-(+ a forward hook that adds INTROSPECTION.md §3's uncertainty embedding) and NumPy float64 re-derivations.
+(+ a forward hook that adds docs/introspection-contract.md §3's uncertainty embedding) and NumPy float64 re-derivations.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def save_checkpoint(model, path, table: np.ndarray | None = None, dtype=torch.fl
 
 def reference_logits(model, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
                      table=None, codes_in=None):
-    """transformers logits; with `table`/`codes_in`, INTROSPECTION.md §3 added by a hook on embed_tokens."""
+    """transformers logits; with `table`/`codes_in`, docs/introspection-contract.md §3 added by a hook on embed_tokens."""
     emb = model.model.language_model.embed_tokens
     handle = None
     if table is not None:

@@ -50,7 +50,7 @@ def test_round_trip_is_bit_identical(sources, name, dtype):
     assert cli(["convert", "hf-to-orbax", str(src), str(orb)]) == 0
     assert cli(["convert", "orbax-to-hf", str(orb), str(out), "--max-shard-size", "300KB"]) == 0
     a, b = _tensors(src), _tensors(out)
-    if name == "q16":   # plain Qwen3-VL: the created table (zeros, INTROSPECTION.md §1) is the one addition
+    if name == "q16":   # plain Qwen3-VL: the created table (zeros, docs/introspection-contract.md §1) is the one addition
         dt, shape, data = b.pop(UNCERTAINTY_KEY)
         assert shape == (2**16, 64) and dt == np.dtype(ml_dtypes.bfloat16) and not any(data)
     assert a.keys() == b.keys()

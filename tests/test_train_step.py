@@ -186,7 +186,7 @@ def test_training_logits_equal_sequential_teacher_forcing(tmp_path):
     """With enough passes the last pass equals feeding each position the code computed (by transformers, step
     by step) from its predecessor's logits wherever that predecessor is supervised. "Enough" is the longest
     causal chain of supervised positions + 1: with one span per row that is the span length + 1
-    (INTROSPECTION.md §4), but a later span attends to the codes of the earlier ones, so two spans of a row
+    (docs/introspection-contract.md §4), but a later span attends to the codes of the earlier ones, so two spans of a row
     chain together: here 5 + 4 supervised positions → P = 10."""
     hf = build_model(tiny_hf_config(), seed=1)
     with torch.no_grad():       # peaked next-token distributions, so that codes differ from position to position

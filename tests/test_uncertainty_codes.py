@@ -1,4 +1,4 @@
-"""INTROSPECTION.md §2: the code function against a float64 NumPy re-derivation."""
+"""docs/introspection-contract.md §2: the code function against a float64 NumPy re-derivation."""
 import math
 
 import jax.numpy as jnp

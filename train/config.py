@@ -33,7 +33,7 @@ class TrainSection:
     batch_size: int                     # global batch (rows), split into grad_accum micro-batches
     seq_len: int
     grad_accum: int = 1
-    introspection_passes: int = 2       # P of INTROSPECTION.md §4
+    introspection_passes: int = 2       # P of docs/introspection-contract.md §4
     seed: int = 0
     compute_dtype: str = "float32"      # float32 | bfloat16 (master weights and optimizer stay float32)
     remat: str = "none"                 # none | full | dots (what the backward pass may keep)
