@@ -60,3 +60,17 @@ def test_cli_bad_input_is_one_line(ckpt, capsys, extra, match, tmp_path):
     assert main(["generate", "--model", d, "--prompt", "w1", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0] and err[0].startswith("prisma generate: error:")
+
+
+def test_cli_prints_nothing_on_stderr_on_a_machine_without_a_tpu(ckpt):
+    """libtpu (installed for `prisma plan`) initialises silently here: a run's stderr is empty."""
+    import os
+    import subprocess
+    import sys
+    d, _ = ckpt
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
+    run = subprocess.run([sys.executable, "-m", "prisma_jax.cli", "generate", "--model", d, "--prompt", "w1 w2",
+                          "--max-new-tokens", "3"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and run.stderr == "", run.stderr
