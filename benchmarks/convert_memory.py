@@ -1,11 +1,15 @@
-"""Peak memory and wall time of `prisma convert` both ways on a synthetic multi-GB checkpoint.
+"""Peak memory and wall time of `prisma convert` (hf-to-orbax, orbax-to-hf, train-to-hf) on a synthetic
+multi-GB checkpoint.
 
 The checkpoint uses the real Prisma-VL-8B naming scheme and tensor shapes (vocab 151936, hidden 4096,
 MLP 12288, 2^16-row uncertainty table, untied head) with fewer layers, random bf16 values, in ≤ 2 GB shards.
 Each direction runs in a child process under `/usr/bin/time -v` (or, without it, psutil polling of the
-child's RSS); the round trip is then checked tensor by tensor (crc32 of the bytes) and everything deleted.
+child's RSS); the round trip is then checked tensor by tensor (crc32 of the bytes). With --train, a `prisma
+train` workdir checkpoint of the same params (float32, as training holds them, plus Adam-sized moments) is
+saved at step 0 in the training loop's Orbax layout and exported with `train-to-hf`, also measured; then
+everything is deleted.
 
-    .venv/bin/python benchmarks/convert_memory.py [--text-layers 1] [--vision-depth 1] [--dir /tmp/...]
+    .venv/bin/python benchmarks/convert_memory.py [--text-layers 1] [--vision-depth 1] [--dir /tmp/...] [--train]
 """
 from __future__ import annotations
 
@@ -66,6 +70,27 @@ def make_checkpoint(path: str, text_layers: int, vision_depth: int, shard_bytes:
     return {"bytes": total, "largest": largest, "tensors": len(specs), "shards": len(shards)}
 
 
+def make_train_checkpoint(src: str, workdir: str) -> dict:
+    """A `prisma train` checkpoint (train/loop.py's items and state layout) at step 0 holding `src`'s params in
+    float32, with Adam-sized moments (the same arrays again: the export must never read them)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from prisma_jax.loading import load_hf
+    from train.loop import CHECKPOINT_ITEMS, checkpoint_dir
+
+    params, cfg = load_hf(src, dtype="float32")
+    leaves = jax.tree.leaves(params)
+    state = {"step": np.int32(0), "params": params, "opt_state": {"mu": params, "nu": params},
+             "rng": np.zeros(2, np.uint32)}
+    mngr = ocp.CheckpointManager(checkpoint_dir(workdir), item_names=CHECKPOINT_ITEMS)
+    mngr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({}),
+                                         meta=ocp.args.JsonSave({"model": cfg.to_dict()})))
+    mngr.wait_until_finished()
+    mngr.close()
+    return {"params": sum(x.nbytes for x in leaves), "largest": max(x.nbytes for x in leaves)}
+
+
 def run_measured(argv: list[str]) -> tuple[float, float, str]:
     """(peak RSS bytes, wall seconds, stdout) of a child process."""
     if os.path.exists("/usr/bin/time"):
@@ -104,6 +129,7 @@ def main():
     ap.add_argument("--vision-depth", type=int, default=1)
     ap.add_argument("--dir", default="/tmp/prisma_convert_bench")
     ap.add_argument("--keep", action="store_true", help="keep the files")
+    ap.add_argument("--train", action="store_true", help="also measure train-to-hf (≈ 6 × the bf16 size on disk)")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     src, orb, out = (os.path.join(args.dir, n) for n in ("hf", "orbax", "hf_export"))
@@ -126,6 +152,16 @@ def main():
         print(f"round trip bit-identical: {same} ({len(a)} tensors)")
         if not same:
             sys.exit(1)
+        if args.train:
+            wd, exp = os.path.join(args.dir, "train"), os.path.join(args.dir, "train_export")
+            t0 = time.time()
+            tinfo = make_train_checkpoint(src, wd)
+            print(f"training checkpoint: params {tinfo['params'] / 1e9:.2f} GB float32 (+ {2 * tinfo['params'] / 1e9:.2f} "
+                  f"GB moments), largest leaf {tinfo['largest'] / 1e9:.3f} GB (saved in {time.time() - t0:.0f} s)")
+            rss, wall, _ = run_measured(prisma + ["train-to-hf", wd, exp])
+            print(f"train-to-hf: peak RSS {rss / 1e9:.2f} GB (expected ≈ largest leaf + a block + interpreter; the "
+                  f"whole state would be 3 × {tinfo['params'] / 1e9:.2f} = {3 * tinfo['params'] / 1e9:.2f} GB), "
+                  f"wall {wall:.1f} s")
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)

@@ -19,6 +19,9 @@ data (the chunk's in-bounds region, C order, stored dtype), which `restore_param
 each process reads back only the chunk files its own shards overlap, so a sharded restore verifies without
 gathering any array and without reading more than it restores. A checkpoint converted before chunk crcs
 were recorded is verified tensor by tensor from the tensorstore arrays instead (every process, every tensor).
+A mismatch is a CheckpointError naming the tensor (and chunk). `restore_params(..., verify=False)` (on the
+command line `prisma generate --no-verify`) skips the check, e.g. for a checkpoint already verified once on
+this filesystem; the data is then read only once.
 """
 from __future__ import annotations
 

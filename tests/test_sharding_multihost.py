@@ -82,7 +82,9 @@ def test_two_hosts_train_save_restore_match_one_process(tmp_path):
     losses, ref, moved = _reference(d)
     assert len(losses) == W.SFT_STEPS and trained[0]["losses"] == trained[1]["losses"]
     # the mesh adds its tensor-parallel sums in another order: the bound of the text-only step before
-    np.testing.assert_allclose(trained[0]["losses"], losses, rtol=0, atol=1e-5)
+    dloss = float(np.max(np.abs(np.subtract(trained[0]["losses"], losses))))
+    print(f"two hosts vs one device: max |Δloss| {dloss:.3g} over {len(losses)} steps (bound 1e-5)")
+    np.testing.assert_allclose(trained[0]["losses"], losses, rtol=0, atol=1e-5, err_msg=f"max |Δloss| {dloss:.3g}")
     assert all(r["restored_specs_match"] for r in restored)
     after_train = np.load(os.path.join(d, "mh_train0.json.npz"))
     after_restore = np.load(os.path.join(d, "mh_restore0.json.npz"))
