@@ -27,6 +27,8 @@ import zlib
 import ml_dtypes
 import numpy as np
 
+# the repository first: this folder's train.py would shadow the `train` package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from prisma_jax.config import config_to_hf, load_config
 from prisma_jax.params import hf_names
 from prisma_jax.safetensors_io import INDEX_NAME, Checkpoint, plan_shards, write_streaming
@@ -123,6 +125,18 @@ def checksums(directory: str) -> dict:
     return out
 
 
+def measure_train_to_hf(src: str, root: str, prisma: list[str]) -> None:
+    wd, exp = os.path.join(root, "train"), os.path.join(root, "train_export")
+    t0 = time.time()
+    tinfo = make_train_checkpoint(src, wd)
+    print(f"training checkpoint: params {tinfo['params'] / 1e9:.2f} GB float32 (+ {2 * tinfo['params'] / 1e9:.2f} "
+          f"GB moments), largest leaf {tinfo['largest'] / 1e9:.3f} GB (saved in {time.time() - t0:.0f} s)")
+    rss, wall, _ = run_measured(prisma + ["train-to-hf", wd, exp])
+    print(f"train-to-hf: peak RSS {rss / 1e9:.2f} GB (expected ≈ largest leaf + a block + interpreter; the "
+          f"whole state would be 3 × {tinfo['params'] / 1e9:.2f} = {3 * tinfo['params'] / 1e9:.2f} GB), "
+          f"wall {wall:.1f} s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text-layers", type=int, default=1)
@@ -130,6 +144,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/prisma_convert_bench")
     ap.add_argument("--keep", action="store_true", help="keep the files")
     ap.add_argument("--train", action="store_true", help="also measure train-to-hf (≈ 6 × the bf16 size on disk)")
+    ap.add_argument("--train-only", action="store_true", help="measure train-to-hf alone (implies --train)")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     src, orb, out = (os.path.join(args.dir, n) for n in ("hf", "orbax", "hf_export"))
@@ -139,6 +154,8 @@ def main():
         info = make_checkpoint(src, args.text_layers, args.vision_depth)
         print(f"synthetic checkpoint: {info['bytes'] / 1e9:.2f} GB, {info['tensors']} tensors in {info['shards']} "
               f"shards, largest tensor {info['largest'] / 1e9:.3f} GB (written in {time.time() - t0:.0f} s)")
+        if args.train_only:
+            return measure_train_to_hf(src, args.dir, prisma)
         dry = subprocess.run(prisma + ["hf-to-orbax", src, orb, "--dry-run"], capture_output=True, text=True)
         print("dry run:", dry.stdout.strip().splitlines()[-1])
         goal = 1.5 * info["largest"] + 1e9
@@ -153,15 +170,7 @@ def main():
         if not same:
             sys.exit(1)
         if args.train:
-            wd, exp = os.path.join(args.dir, "train"), os.path.join(args.dir, "train_export")
-            t0 = time.time()
-            tinfo = make_train_checkpoint(src, wd)
-            print(f"training checkpoint: params {tinfo['params'] / 1e9:.2f} GB float32 (+ {2 * tinfo['params'] / 1e9:.2f} "
-                  f"GB moments), largest leaf {tinfo['largest'] / 1e9:.3f} GB (saved in {time.time() - t0:.0f} s)")
-            rss, wall, _ = run_measured(prisma + ["train-to-hf", wd, exp])
-            print(f"train-to-hf: peak RSS {rss / 1e9:.2f} GB (expected ≈ largest leaf + a block + interpreter; the "
-                  f"whole state would be 3 × {tinfo['params'] / 1e9:.2f} = {3 * tinfo['params'] / 1e9:.2f} GB), "
-                  f"wall {wall:.1f} s")
+            measure_train_to_hf(src, args.dir, prisma)
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
