@@ -172,10 +172,11 @@ def test_plan_trains_with_image_slots(tmp_path):
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     b = abstract_train_batch(train_config(tiny, 6, 256, ["train.grad_accum=2"], images=2, image_size=64), mesh)
-    # 2 micro-batches of 3 rows; 3 · 2 slots of a 4 × 4 patch grid, each patch 3 channels · 2 frames · 16²
+    # 2 micro-batches of 3 rows; each row 2 slots of a 4 × 4 patch grid, each patch 3 channels · 2 frames · 16²
+    # (pixels per row, sharded with it; the geometry describes one row's slots)
     assert b.input_ids.shape == (2, 3, 256) and b.positions.shape == (2, 3, 3, 256)
-    assert b.pixel_values.shape == (2, 3 * 2 * 16, 3 * 2 * 16 * 16) and b.pixel_values.dtype == jnp.float32
-    assert b.geometry.rows.shape == (3 * 2 * 16,) and b.geometry.frame_len == 16
+    assert b.pixel_values.shape == (2, 3, 2 * 16, 3 * 2 * 16 * 16) and b.pixel_values.dtype == jnp.float32
+    assert b.geometry.rows.shape == (2 * 16,) and b.geometry.frame_len == 16
     assert abstract_train_batch(train_config(tiny, 6, 256, images=0), mesh).pixel_values is None
 
 
