@@ -119,7 +119,7 @@ def test_bfloat16_params_close_to_float32(untied, tmp_path):
     pv = random_pixels(grid)
     a = np.asarray(ours32.forward(ids, None, pv, grid), np.float32)
     b = np.asarray(ours16.forward(ids, None, pv, grid), np.float32)
-    # measured 2026-11-29: max |Δ| = 0.0048 on logits with max |x| 0.55, std 0.16 (README "Numerics"); 4x margin
+    # measured 2026-11-29: max |Δ| = 0.0048 on logits with max |x| 0.55, std 0.16 (docs/design.md "Numerics"); 4x margin
     assert np.abs(a - b).max() < 0.02
     assert np.abs(a - b).max() > 0  # really ran in bf16
 
