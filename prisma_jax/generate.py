@@ -111,8 +111,9 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     shape = (tc.num_hidden_layers, b, p + t, tc.num_key_value_heads, tc.head_dim)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     key_valid = jnp.concatenate([batch.attention_mask, jnp.zeros((b, t), bool)], axis=1)
-    h, cache = M.hidden(cfg, params, batch, cache, 0, key_valid)
-    logits = M.head(cfg, params, h[:, -1])                                        # [B, V]
+    model = M.bind(cfg, params)
+    h, cache = model.hidden(batch, cache, 0, key_valid)
+    logits = model.head(h[:, -1])                                                 # [B, V]
     last_in = batch.codes[:, -1]                                  # incoming code of the last prompt token
     prev = jnp.where(last_in >= 0, last_in, cfg.neutral_code).astype(jnp.uint16)
     rng, key = jax.random.split(rng)
@@ -134,6 +135,7 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
     """Steps until every row is done or `max_new` tokens are out; one compiled `lax.while_loop`."""
     b, t = state.tokens.shape
     p = state.key_valid.shape[1] - t
+    model = M.bind(cfg, params)
 
     def cond(s: DecodeState):
         return (s.step < max_new) & ~jnp.all(s.done)
@@ -144,8 +146,8 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
         codes_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((b,), NONE, jnp.int32)
         step_in = M.Batch(s.token[:, None], jnp.ones((b, 1), bool), codes_in[:, None],
                           jnp.broadcast_to(s.position[None, :, None], (3, b, 1)))
-        h, cache = M.hidden(cfg, params, step_in, s.cache, slot, key_valid)
-        logits = M.head(cfg, params, h[:, 0])
+        h, cache = model.hidden(step_in, s.cache, slot, key_valid)
+        logits = model.head(h[:, 0])
         rng, key = jax.random.split(s.rng)
         tok, code, ent = _choose(cfg, spec, logits, s.code, sp, key)
         live = ~s.done
@@ -162,8 +164,7 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
 
     if not spec.unroll_layers:
         return jax.lax.while_loop(cond, body, state)
-    text, cache = unstack_layers(params["text"], state.cache)          # sliced once per call, not per step
-    params = {**params, "text": text}
+    cache = unstack_layers(model.text, state.cache)                    # sliced once per call, not per step
     out = jax.lax.while_loop(cond, body, state._replace(cache=cache))
     return out._replace(cache={name: jnp.stack(kv) for name, kv in out.cache.items()})
 

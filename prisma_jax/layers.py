@@ -1,36 +1,105 @@
-"""Small numerical building blocks shared by both towers: norms, dense layers, rotary embedding, attention.
+"""The leaf modules and numerical building blocks shared by both towers: dense, embedding and norm modules,
+rotary embedding, attention.
 
-Numerics follow transformers' Qwen3-VL exactly (reference/QWEN3_VL.md §9): RMSNorm normalises in float32 and
-casts back before the weight; LayerNorm uses the two-pass variance; softmax runs in float32.
+Each leaf module holds its `nnx.Param`s as direct attributes (`kernel`, `bias`, `embedding`, `scale`) and does
+its own matmul or lookup; every Param carries its logical sharding axes (`out_sharding`, resolved by
+sharding.py's rules: `sharding.param_specs`). A stacked module (`stacked`) gets the leading "layers" axis.
+
+Numerics follow transformers' Qwen3-VL exactly (docs/design.md): RMSNorm normalises in float32 and casts back
+before the weight; LayerNorm uses the two-pass variance; softmax runs in float32.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from .sharding import constrain
+from .sharding import constrain, take_rows
 
-
-def dense(p: dict, x: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, p["kernel"].astype(x.dtype))
-    if "bias" in p:
-        y = y + p["bias"].astype(x.dtype)
-    return y
+INIT_STD = 0.02
+normal = nnx.initializers.normal(INIT_STD)
+ones, zeros = nnx.initializers.ones, nnx.initializers.zeros
 
 
-def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return p["scale"].astype(x.dtype) * y.astype(x.dtype)
+def param(init, key, shape, axes: tuple) -> nnx.Param:
+    """A float32 Param with its logical axes as metadata (placed by the caller: never eagerly sharded)."""
+    return nnx.Param(init(key, shape, jnp.float32), out_sharding=tuple(axes), eager_sharding=False)
 
 
-def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    mu = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
-    y = (xf - mu) * jax.lax.rsqrt(var + eps)
-    return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+def stacked(n: int, make, rngs: nnx.Rngs):
+    """`n` copies of the module `make(rngs)` as one module whose params have a leading "layers" axis."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(r):
+        return make(r)
+    return build(rngs)
+
+
+def layer_slices(stack: nnx.Module, start: int = 0, stop: int | None = None):
+    """(graphdef of one layer, the state of layers [start, stop) with the layer axis leading): a `lax.scan`
+    runs the layers as `nnx.merge(graphdef, state_i)(...)`."""
+    graphdef, state = nnx.split(stack)
+    if start or stop is not None:
+        state = jax.tree.map(lambda a: a[start:stop], state)
+    return graphdef, state
+
+
+def unstack(stack: nnx.Module) -> nnx.List:
+    """The stacked layers as a list of per-layer modules (each a slice of the stack)."""
+    graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(state)[0].shape[0]
+    return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(n)])
+
+
+class Dense(nnx.Module):
+    """y = x·kernel (+ bias); kernel [in, out], computed in x's dtype."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool = True, rngs: nnx.Rngs):
+        self.kernel = param(normal, rngs.params(), (d_in, d_out), axes)
+        self.bias = param(zeros, rngs.params(), (d_out,), (None,)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """A lookup table [rows, dim]; `lookup` never gathers a row-sharded table (sharding.take_rows)."""
+
+    def __init__(self, rows: int, dim: int, axes: tuple, *, rngs: nnx.Rngs, init=normal):
+        self.axes = tuple(axes)
+        self.embedding = param(init, rngs.params(), (rows, dim), axes)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return take_rows(self.embedding[...], ids, self.axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(ones, rngs.params(), (dim,), (None,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(ones, rngs.params(), (dim,), (None,))
+        self.bias = param(zeros, rngs.params(), (dim,), (None,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mu = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

@@ -1,24 +1,33 @@
-"""The whole Prisma-VL forward pass as pure functions of (config, params, inputs).
+"""Prisma-VL as one Flax NNX module, and the functional entry points that run it on a plain param dict.
 
     embed tokens → inject uncertainty (§3) → scatter vision features → decoder (M-RoPE, DeepStack) → head
 
-`Batch` is the device-side input, already validated and indexed on the host (`inputs.prepare`). Everything
-here is jit-able with the config static; the KV cache (text.decoder) is optional, so the same code serves a
-plain forward, prefill and decode.
+`PrismaVLModule` is the model: `vision` (VisionTower), `text` (TextModel), `lm_head` (absent when tied) and
+`uncertainty` (the table and its injection, uncertainty.py). Its params as a plain nested dict
+(`nnx.to_pure_dict`) are the checkpoint layout (params.py); `bind(cfg, params)` merges a dict back into the
+module inside a trace, so `forward`, `hidden` and `head` below — and generate.py's prefill/decode and
+train/step.py — are pure functions of (config, params, inputs). The uncertainty code is an input
+(`Batch.codes`); no module state holds it.
+
+`Batch` is the device-side input, already validated and indexed on the host (`inputs.prepare`). The KV cache
+(text.py) is optional, so the same code serves a plain forward, prefill and decode.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from .config import ModelConfig
+from .layers import Dense
 from .rope import mrope_cos_sin
-from .sharding import constrain, take_rows
-from .text import DeepStack, decoder, image_features
-from .uncertainty import inject
-from .vision import VisionGeometry, tile_geometry, vision_tower
+from .sharding import constrain
+from .text import DeepStack, TextModel, image_features
+from .uncertainty import Uncertainty
+from .vision import VisionGeometry, VisionTower, tile_geometry
 
 
 class Batch(NamedTuple):
@@ -28,36 +37,6 @@ class Batch(NamedTuple):
     positions: jax.Array                 # [3, B, S] int32 M-RoPE positions
     pixel_values: jax.Array | None = None   # [N_patch, C·T·P·P] packed, or [B, N_row, C·T·P·P] per row
     geometry: VisionGeometry | None = None  # of the packed patches, or of one row's N_row (the same for every row)
-
-
-def embed(cfg: ModelConfig, params: dict, input_ids, codes, pixel_values=None, geometry=None, remat=False):
-    """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in.
-
-    Two image layouts. Packed, `pixel_values` [N_patch, ·]: one list of every image in batch order, the k-th
-    image token of the batch reads feature k. Per row, [B, N_row, ·] (training: each row's image slots, its
-    images first): row r's k-th image token reads row r's feature k, so a row needs nothing from other rows
-    and the pixels shard with their rows (train/sharded.py)."""
-    table = params["text"]["embed"]["embedding"]
-    x = take_rows(table, input_ids, ("vocab", "hidden"))
-    x = inject(x, params["uncertainty"]["embedding"], input_ids, codes,
-               (cfg.image_token_id, cfg.video_token_id))
-    if pixel_values is None:
-        return constrain(x, ("batch", "seq", "embed")), None
-    is_img = input_ids == cfg.image_token_id
-    if pixel_values.ndim == 3:
-        b = pixel_values.shape[0]
-        merged, deep = vision_tower(cfg.vision, params["vision"], pixel_values.reshape(-1, pixel_values.shape[-1]),
-                                    tile_geometry(geometry, b), remat=remat)
-        t, d = merged.shape[0] // b, merged.shape[-1]
-        merged = constrain(merged.reshape(b, t, d), ("batch", None, "embed"))
-        deep = constrain(deep.reshape(deep.shape[0], b, t, d), (None, "batch", None, "embed"))
-        index = jnp.cumsum(is_img, axis=1)
-    else:
-        merged, deep = vision_tower(cfg.vision, params["vision"], pixel_values, geometry, remat=remat)
-        index = jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape)
-    index = jnp.maximum(index - 1, 0).astype(jnp.int32)
-    x = jnp.where(is_img[..., None], image_features(merged, index).astype(x.dtype), x)
-    return constrain(x, ("batch", "seq", "embed")), DeepStack(deep, index, is_img)
 
 
 def attention_mask(key_valid: jax.Array, write_pos, n_query: int) -> jax.Array:
@@ -70,33 +49,117 @@ def attention_mask(key_valid: jax.Array, write_pos, n_query: int) -> jax.Array:
     return (causal[None] & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])[None]
 
 
-def head(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
-    """Final hidden [..., D] → logits [..., V] (tied heads use the embedding table)."""
-    if cfg.tie_word_embeddings:
-        w = params["text"]["embed"]["embedding"]
-        logits = jnp.einsum("...d,vd->...v", h, w.astype(h.dtype))
-    else:
-        logits = jnp.einsum("...d,dv->...v", h, params["lm_head"]["kernel"].astype(h.dtype))
-    return constrain(logits, ("batch", "seq", "vocab")[-logits.ndim:])
+class PrismaVLModule(nnx.Module):
+    """Qwen3-VL + the uncertainty table. `rngs`: `nnx.Rngs(params=key, table=seed)` draws the table as
+    `uncertainty.fresh_table(seed)`; `uncertainty_init="zeros"` gives plain Qwen3-VL."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, uncertainty_init: str = "normal"):
+        self.cfg = cfg
+        self.vision = VisionTower(cfg.vision, rngs=rngs)
+        self.text = TextModel(cfg.text, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Dense(cfg.text.hidden_size, cfg.text.vocab_size, ("hidden", "vocab"), bias=False, rngs=rngs))
+        self.uncertainty = Uncertainty(cfg.n_levels, cfg.text.hidden_size, (cfg.image_token_id, cfg.video_token_id),
+                                       uncertainty_init, rngs=rngs)
+
+    def embed(self, input_ids, codes, pixel_values=None, geometry=None, remat=False):
+        """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in.
+
+        Two image layouts. Packed, `pixel_values` [N_patch, ·]: one list of every image in batch order, the
+        k-th image token of the batch reads feature k. Per row, [B, N_row, ·] (training: each row's image
+        slots, its images first): row r's k-th image token reads row r's feature k, so a row needs nothing from
+        other rows and the pixels shard with their rows (train/sharded.py)."""
+        cfg = self.cfg
+        x = self.uncertainty(self.text.embed(input_ids), input_ids, codes)
+        if pixel_values is None:
+            return constrain(x, ("batch", "seq", "embed")), None
+        is_img = input_ids == cfg.image_token_id
+        if pixel_values.ndim == 3:
+            b = pixel_values.shape[0]
+            merged, deep = self.vision(pixel_values.reshape(-1, pixel_values.shape[-1]), tile_geometry(geometry, b),
+                                       remat=remat)
+            t, d = merged.shape[0] // b, merged.shape[-1]
+            merged = constrain(merged.reshape(b, t, d), ("batch", None, "embed"))
+            deep = constrain(deep.reshape(deep.shape[0], b, t, d), (None, "batch", None, "embed"))
+            index = jnp.cumsum(is_img, axis=1)
+        else:
+            merged, deep = self.vision(pixel_values, geometry, remat=remat)
+            index = jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape)
+        index = jnp.maximum(index - 1, 0).astype(jnp.int32)
+        x = jnp.where(is_img[..., None], image_features(merged, index).astype(x.dtype), x)
+        return constrain(x, ("batch", "seq", "embed")), DeepStack(deep, index, is_img)
+
+    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None):
+        """Final-normed hidden states [B, S, D] and the updated cache.
+
+        Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
+        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens."""
+        x, ds = self.embed(batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
+                           remat=remat_policy is not None)
+        cos, sin = mrope_cos_sin(self.cfg, batch.positions, x.dtype)
+        if key_valid is None:
+            key_valid = batch.attention_mask
+        mask = attention_mask(key_valid, write_pos, x.shape[1])
+        return self.text(x, cos, sin, mask, cache, write_pos, ds, remat_policy)
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Final hidden [..., D] → logits [..., V] (tied heads use the embedding table)."""
+        if self.lm_head is None:
+            w = self.text.embed.embedding[...]
+            logits = jnp.einsum("...d,vd->...v", h, w.astype(h.dtype))
+        else:
+            logits = self.lm_head(h)
+        return constrain(logits, ("batch", "seq", "vocab")[-logits.ndim:])
+
+    def __call__(self, input_ids, attention_mask=None, positions=None, codes_in=None, pixel_values=None,
+                 geometry=None) -> jax.Array:
+        """Logits [B, S, V] of a whole sequence. `codes_in [B, S]` int32 (−1 = none; None: none anywhere);
+        `positions [3, B, S]` M-RoPE positions (None: 0…S−1 on all three axes, text only)."""
+        b, s = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, s), bool)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (3, b, s))
+        if codes_in is None:
+            codes_in = jnp.full((b, s), -1, jnp.int32)
+        h, _ = self.hidden(Batch(input_ids, attention_mask, codes_in, positions, pixel_values, geometry))
+        return self.head(h)
+
+
+# ---------------------------------------------------------------------------------------------- functional API
+
+@functools.lru_cache(maxsize=16)
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract param state) of the model: shapes, dtypes and sharding metadata, no weights."""
+    return nnx.split(nnx.eval_shape(lambda: PrismaVLModule(cfg, rngs=nnx.Rngs(0))))
+
+
+def bind(cfg: ModelConfig, params: dict) -> PrismaVLModule:
+    """The module holding `params` (a plain dict in the params.py layout), to call inside a trace."""
+    graphdef, state = abstract_model(cfg)
+    state = jax.tree.map(lambda x: x, state)                      # fresh Variables; the cached state stays
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def to_params(model: PrismaVLModule) -> dict:
+    """The module's params as a plain nested dict (the checkpoint layout)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def hidden(cfg: ModelConfig, params: dict, batch: Batch, cache=None, write_pos=0, key_valid=None,
            remat_policy=None):
-    """Final-normed hidden states [B, S, D] and the updated cache.
+    """`PrismaVLModule.hidden` on a param dict."""
+    return bind(cfg, params).hidden(batch, cache, write_pos, key_valid, remat_policy)
 
-    Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
-    `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens.
-    """
-    x, ds = embed(cfg, params, batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
-                  remat=remat_policy is not None)
-    cos, sin = mrope_cos_sin(cfg, batch.positions, x.dtype)
-    if key_valid is None:
-        key_valid = batch.attention_mask
-    mask = attention_mask(key_valid, write_pos, x.shape[1])
-    return decoder(cfg.text, params["text"], x, cos, sin, mask, cache, write_pos, ds, remat_policy)
+
+def head(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
+    """`PrismaVLModule.head` on a param dict."""
+    return bind(cfg, params).head(h)
 
 
 def forward(cfg: ModelConfig, params: dict, batch: Batch) -> jax.Array:
     """Logits [B, S, V] for a whole sequence (no cache)."""
-    h, _ = hidden(cfg, params, batch)
-    return head(cfg, params, h)
+    model = bind(cfg, params)
+    h, _ = model.hidden(batch)
+    return model.head(h)

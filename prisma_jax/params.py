@@ -1,6 +1,7 @@
 """The parameter pytree: its layout, random initialisation, and the Hugging Face name mapping.
 
-Layout (a plain nested dict; Orbax saves it as is; `[n]` = leading stacked axis run by one `lax.scan`)::
+The layout is that of the model's params as a plain nested dict (`nnx.to_pure_dict` of `model.PrismaVLModule`'s
+params; Orbax saves it as is; `[n]` = leading stacked axis, run by one `lax.scan`)::
 
     vision/patch_embed/{kernel [C*T*P*P, Dv], bias [Dv]}
     vision/pos_embed/embedding [S*S, Dv]
@@ -32,59 +33,13 @@ Path = tuple[str, ...]
 TABLE_PATH: Path = ("uncertainty", "embedding")
 
 
-def _dense(d_in, d_out, bias=True, stack=()):
-    p = {"kernel": (*stack, d_in, d_out)}
-    if bias:
-        p["bias"] = (*stack, d_out)
-    return p
-
-
-def _ln(d, stack=(), bias=True):
-    return {"scale": (*stack, d), "bias": (*stack, d)} if bias else {"scale": (*stack, d)}
-
-
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The pytree of shapes (tuples); leaves are tuples of ints."""
-    v, t = cfg.vision, cfg.text
-    dv, d, nds = v.hidden_size, t.hidden_size, len(v.deepstack_visual_indexes)
-    md = dv * v.spatial_merge_size**2
-    blk, lay, ds = (v.depth,), (t.num_hidden_layers,), (nds,)
-    tree = {
-        "vision": {
-            "patch_embed": _dense(v.patch_dim, dv),
-            "pos_embed": {"embedding": (v.num_position_embeddings, dv)},
-            "blocks": {
-                "norm1": _ln(dv, blk), "norm2": _ln(dv, blk),
-                "attn": {"qkv": _dense(dv, 3 * dv, stack=blk), "proj": _dense(dv, dv, stack=blk)},
-                "mlp": {"fc1": _dense(dv, v.intermediate_size, stack=blk),
-                        "fc2": _dense(v.intermediate_size, dv, stack=blk)},
-            },
-            "merger": {"norm": _ln(dv), "fc1": _dense(md, md), "fc2": _dense(md, v.out_hidden_size)},
-            "deepstack": {"norm": _ln(md, ds), "fc1": _dense(md, md, stack=ds),
-                          "fc2": _dense(md, v.out_hidden_size, stack=ds)},
-        },
-        "text": {
-            "embed": {"embedding": (t.vocab_size, d)},
-            "layers": {
-                "input_norm": _ln(d, lay, bias=False), "post_attn_norm": _ln(d, lay, bias=False),
-                "attn": {
-                    "q_proj": _dense(d, t.num_attention_heads * t.head_dim, False, lay),
-                    "k_proj": _dense(d, t.num_key_value_heads * t.head_dim, False, lay),
-                    "v_proj": _dense(d, t.num_key_value_heads * t.head_dim, False, lay),
-                    "o_proj": _dense(t.num_attention_heads * t.head_dim, d, False, lay),
-                    "q_norm": _ln(t.head_dim, lay, bias=False), "k_norm": _ln(t.head_dim, lay, bias=False),
-                },
-                "mlp": {"gate_proj": _dense(d, t.intermediate_size, False, lay),
-                        "up_proj": _dense(d, t.intermediate_size, False, lay),
-                        "down_proj": _dense(t.intermediate_size, d, False, lay)},
-            },
-            "norm": _ln(d, bias=False),
-        },
-        "uncertainty": {"embedding": (cfg.n_levels, d)},
-    }
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = {"kernel": (d, t.vocab_size)}
-    return tree
+    """The pytree of shapes (tuples of ints), read off the abstract module."""
+    from flax import nnx
+
+    from .model import abstract_model
+
+    return jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(abstract_model(cfg)[1]))
 
 
 def _is_shape(x) -> bool:
@@ -124,28 +79,17 @@ def _leaf_init(path: Path, uncertainty_init: str) -> str:
     return "normal"
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02,
-                uncertainty_init: str = "normal") -> dict:
-    """Random parameters (traceable: jit it, e.g. with `out_shardings`): normal(0, std) matrices, ones for norm
-    scales, zeros for biases. `uncertainty_init`: "normal" (a fresh table, docs/introspection-contract.md §1: drawn by
-    `uncertainty.table_rows` from `key`, so `key = jax.random.key(seed)` gives `uncertainty.fresh_table(seed)`)
-    or "zeros" (reproduces Qwen3-VL)."""
-    from .uncertainty import check_table_init, table_rows
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, uncertainty_init: str = "normal") -> dict:
+    """Random parameters of `model.PrismaVLModule` as a plain dict (traceable: jit it, e.g. with
+    `out_shardings`): its `nnx.initializers` (normal(0, 0.02) matrices, ones for norm scales, zeros for biases)
+    drawn from `key`, and the table of docs/introspection-contract.md §1 drawn from `key` itself
+    (`uncertainty.fresh_table(seed)` for `key = jax.random.key(seed)`), or zeros."""
+    from flax import nnx
 
-    check_table_init(uncertainty_init)
-    shapes = list(flatten(param_shapes(cfg)))
-    keys = jax.random.split(key, len(shapes))
-    out: dict = {}
-    for (path, shape), k in zip(shapes, keys):
-        kind = _leaf_init(path, uncertainty_init)
-        if path == TABLE_PATH and kind == "normal":     # the one fresh-table stream, from `key` itself
-            x = table_rows(key, 0, shape[0], shape[1], dtype)
-        elif kind == "normal":
-            x = (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-        else:
-            x = (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
-        set_path(out, path, x)
-    return out
+    from .model import PrismaVLModule, to_params
+
+    params = to_params(PrismaVLModule(cfg, rngs=nnx.Rngs(params=key, table=key), uncertainty_init=uncertainty_init))
+    return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 def init_params_numpy(cfg: ModelConfig, seed: int = 0, dtype=np.float32, std: float = 0.02,

@@ -4,7 +4,8 @@ The math names its axes (`constrain(x, ("batch", "seq", "embed"))`); the tables 
 
 * `LOGICAL_RULES`  logical axis → mesh axis (or axes, or None = replicated), for activations, weights, the KV
   cache and (by inheritance from the weights) the optimizer state;
-* `PARAM_AXES`     one row per leaf of the parameter tree (params.py) naming its logical axes;
+* each parameter's logical axes are declared beside its math, by the module that owns it (layers.py's
+  `Dense(d, f, ("hidden", "mlp"))`, stacked layers adding "layers"): `param_axes` reads them off the model;
 * `MeshSpec` / `PRESETS`  mesh shapes (`{"data": 2, "fsdp": -1, "tensor": 2}`, −1 = the rest) and the TPU
   slices we plan for, with device count, HBM per chip and the topology name for ahead-of-time compiles.
 
@@ -52,50 +53,6 @@ LOGICAL_RULES: dict[str, object] = {
     "layers": None,              # stacked layer axis, run by lax.scan: never sharded
     "hidden": "fsdp",            # weights' model dim: ZeRO-3 style, gathered layer by layer in the scan
     "levels": "tensor",          # uncertainty-table rows (2**n_bits)
-}
-
-# Every leaf of params.param_shapes(cfg), by "/"-joined path: its logical axes (None = replicated).
-_NORM = ("layers", None)
-PARAM_AXES: dict[str, tuple] = {
-    "vision/patch_embed/kernel": (None, "hidden"),
-    "vision/patch_embed/bias": (None,),
-    "vision/pos_embed/embedding": (None, "hidden"),
-    **{f"vision/blocks/{n}/{k}": _NORM for n in ("norm1", "norm2") for k in ("scale", "bias")},
-    "vision/blocks/attn/qkv/kernel": ("layers", "hidden", "mlp"),
-    "vision/blocks/attn/qkv/bias": _NORM,
-    "vision/blocks/attn/proj/kernel": ("layers", "mlp", "hidden"),
-    "vision/blocks/attn/proj/bias": _NORM,
-    "vision/blocks/mlp/fc1/kernel": ("layers", "hidden", "mlp"),
-    "vision/blocks/mlp/fc1/bias": _NORM,
-    "vision/blocks/mlp/fc2/kernel": ("layers", "mlp", "hidden"),
-    "vision/blocks/mlp/fc2/bias": _NORM,
-    "vision/merger/norm/scale": (None,),
-    "vision/merger/norm/bias": (None,),
-    "vision/merger/fc1/kernel": ("hidden", "mlp"),
-    "vision/merger/fc1/bias": (None,),
-    "vision/merger/fc2/kernel": ("mlp", "hidden"),
-    "vision/merger/fc2/bias": (None,),
-    "vision/deepstack/norm/scale": _NORM,
-    "vision/deepstack/norm/bias": _NORM,
-    "vision/deepstack/fc1/kernel": ("layers", "hidden", "mlp"),
-    "vision/deepstack/fc1/bias": _NORM,
-    "vision/deepstack/fc2/kernel": ("layers", "mlp", "hidden"),
-    "vision/deepstack/fc2/bias": _NORM,
-    "text/embed/embedding": ("vocab", "hidden"),
-    "text/layers/input_norm/scale": _NORM,
-    "text/layers/post_attn_norm/scale": _NORM,
-    "text/layers/attn/q_proj/kernel": ("layers", "hidden", "heads"),
-    "text/layers/attn/k_proj/kernel": ("layers", "hidden", "kv_heads"),
-    "text/layers/attn/v_proj/kernel": ("layers", "hidden", "kv_heads"),
-    "text/layers/attn/o_proj/kernel": ("layers", "heads", "hidden"),
-    "text/layers/attn/q_norm/scale": _NORM,
-    "text/layers/attn/k_norm/scale": _NORM,
-    "text/layers/mlp/gate_proj/kernel": ("layers", "hidden", "mlp"),
-    "text/layers/mlp/up_proj/kernel": ("layers", "hidden", "mlp"),
-    "text/layers/mlp/down_proj/kernel": ("layers", "mlp", "hidden"),
-    "text/norm/scale": (None,),
-    "lm_head/kernel": ("hidden", "vocab"),
-    "uncertainty/embedding": ("levels", "hidden"),
 }
 
 # The KV cache {"k", "v"}: [layers, B, S_max, KV, hd] (text.decoder).
@@ -293,18 +250,18 @@ def take_rows(table: jax.Array, ids: jax.Array, logical: tuple) -> jax.Array:
 
 
 def param_axes(cfg) -> dict:
-    """The parameter tree (params.py layout) with each leaf's logical axes."""
-    from .params import flatten, param_shapes, set_path
+    """The parameter tree (params.py layout) with each leaf's logical axes, as its module declares them."""
+    from flax import nnx
+
+    from .model import abstract_model
+    from .params import set_path
 
     out: dict = {}
-    for path, shape in flatten(param_shapes(cfg)):
-        key = "/".join(path)
-        if key not in PARAM_AXES:
-            raise KeyError(f"no sharding rule for parameter {key}")
-        axes = PARAM_AXES[key]
-        if len(axes) != len(shape):
-            raise ValueError(f"sharding rule for {key} names {len(axes)} axes, the leaf has shape {shape}")
-        set_path(out, path, axes)
+    for path, var in nnx.to_flat_state(abstract_model(cfg)[1]):
+        axes = var.get_metadata().get("out_sharding")
+        if axes is None or len(axes) != len(var.shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))} of shape {var.shape} has logical axes {axes}")
+        set_path(out, tuple(path), tuple(axes))
     return out
 
 

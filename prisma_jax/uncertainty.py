@@ -1,13 +1,14 @@
 """The introspective mechanism, all of it (docs/introspection-contract.md, section by section).
 
-§1  A table `U [L, hidden]`, L = 2**n_bits, lives at `params["uncertainty"]["embedding"]`. Neutral code N = L/2.
-    `fresh_table` / `table_rows`: the one initialisation of a new table (zeros, or normal(0, 0.02) from a seed),
-    used by every path that creates one — random init, both Hugging Face loaders, hf-to-orbax conversion.
+§1  `Uncertainty`: the module holding the table `U [L, hidden]`, L = 2**n_bits (`params["uncertainty"]
+    ["embedding"]`). Neutral code N = L/2. `fresh_table` / `table_rows`: the one initialisation of a new table
+    (zeros, or normal(0, 0.02) from a seed), used by every path that creates one — the module, both Hugging
+    Face loaders, hf-to-orbax conversion.
 §2  `codes_from_logits`: the float32 natural-log entropy of each next-token distribution, normalised by ln V,
     clipped to [0, 1] and floored onto L levels, as uint16. Written as reductions over the vocabulary axis
     (max, Σexp, Σexp·z), so with vocab-sharded logits XLA combines per-shard partial sums and never gathers
     `[B, V]`.
-§3  `inject`: e_i = E[x_i] + U[c_i] where c_i is a code (≥ 0) and x_i is not an image/video placeholder;
+§3  `Uncertainty.__call__`: e_i = E[x_i] + U[c_i] where c_i is a code (≥ 0) and x_i is not an image/video placeholder;
     otherwise e_i = E[x_i]. Applied right after the token lookup, before vision features are scattered in.
 §4  `prompt_codes`: first real token of each row none (−1), every other real token N, padding none.
     `shift_codes`: the teacher-forced rule of training pass k ≥ 2 (codes of pass k−1 move one position right
@@ -23,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from .sharding import take_rows
 
@@ -102,14 +104,28 @@ def codes_from_logits(logits: jax.Array, n_bits: int) -> jax.Array:
     return codes_from_entropy(entropy(logits), logits.shape[-1], n_bits)
 
 
-def inject(embeds: jax.Array, table: jax.Array, input_ids: jax.Array, codes: jax.Array,
-           placeholder_ids: tuple[int, ...]) -> jax.Array:
-    """§3: embeds [B, S, D] + U[codes] where codes ≥ 0 and the token is not a vision placeholder."""
-    on = codes >= 0
-    for tok in placeholder_ids:
-        on &= input_ids != tok
-    u = take_rows(table, jnp.maximum(codes, 0).astype(jnp.int32), ("levels", "hidden")).astype(embeds.dtype)
-    return jnp.where(on[..., None], embeds + u, embeds)
+class Uncertainty(nnx.Module):
+    """§1 and §3: the table, and its injection into the token embeddings.
+
+    The table is drawn from the `table` stream's key of `rngs` when it has one (`nnx.Rngs(table=seed)` gives
+    `fresh_table(seed)`), else from `rngs.params()`; `init="zeros"` reproduces Qwen3-VL."""
+
+    def __init__(self, levels: int, hidden: int, placeholder_ids: tuple[int, ...], init: str = "normal", *,
+                 rngs: nnx.Rngs):
+        check_table_init(init)
+        key = rngs["table"].key[...] if "table" in rngs else rngs.params()
+        table = (jnp.zeros((levels, hidden), jnp.float32) if init == "zeros"
+                 else table_rows(key, 0, levels, hidden))
+        self.placeholder_ids = tuple(placeholder_ids)
+        self.embedding = nnx.Param(table, out_sharding=("levels", "hidden"), eager_sharding=False)
+
+    def __call__(self, embeds: jax.Array, input_ids: jax.Array, codes: jax.Array) -> jax.Array:
+        """§3: embeds [B, S, D] + U[codes] where codes ≥ 0 and the token is not a vision placeholder."""
+        on = codes >= 0
+        for tok in self.placeholder_ids:
+            on &= input_ids != tok
+        u = take_rows(self.embedding[...], jnp.maximum(codes, 0).astype(jnp.int32), ("levels", "hidden"))
+        return jnp.where(on[..., None], embeds + u.astype(embeds.dtype), embeds)
 
 
 def prompt_codes(attention_mask: np.ndarray, n_bits: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 per-frame attention, blocks run by `lax.scan`, the patch merger and the DeepStack mergers.
 
 `vision_geometry` runs on the host (NumPy) from `image_grid_thw` alone and produces every index the device
-needs (bilinear taps and weights, rotary row/col ids, frame segment ids); `vision_tower` is the jitted math.
+needs (bilinear taps and weights, rotary row/col ids, frame segment ids); `VisionTower` is the jitted math (Flax NNX modules).
 """
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from .config import VisionConfig
-from .layers import apply_rope, attention, dense, layer_norm, torch_inv_freq
+from .layers import Dense, Embed, LayerNorm, apply_rope, attention, layer_slices, stacked, torch_inv_freq
 
 
 @jax.tree_util.register_dataclass
@@ -87,64 +88,112 @@ def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
     return (i.astype(np.float32) * np.float32(s - 1)) / np.float32(n - 1)
 
 
-def _block(cfg: VisionConfig, p: dict, x, cos, sin, mask):
-    n, d = x.shape
-    hd = cfg.head_dim
-    h = layer_norm(p["norm1"], x, cfg.layer_norm_eps)
-    qkv = dense(p["attn"]["qkv"], h).reshape(n, 3, cfg.num_heads, hd)
-    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
-    k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
-    # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches (L = N: one block-diagonal mask)
-    ln = mask.shape[-1]
-    q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
-    o = attention(q, k, v, mask).reshape(n, d)
-    x = x + dense(p["attn"]["proj"], o)
-    h = layer_norm(p["norm2"], x, cfg.layer_norm_eps)
-    h = dense(p["mlp"]["fc2"], jax.nn.gelu(dense(p["mlp"]["fc1"], h), approximate=True))
-    return x + h
+class VisionAttention(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.qkv = Dense(d, 3 * d, ("hidden", "mlp"), rngs=rngs)
+        self.proj = Dense(d, d, ("mlp", "hidden"), rngs=rngs)
+
+    def __call__(self, h, cos, sin, mask):
+        cfg = self.cfg
+        n, d = h.shape
+        hd = cfg.head_dim
+        qkv = self.qkv(h).reshape(n, 3, cfg.num_heads, hd)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        q = apply_rope(q.astype(jnp.float32), cos, sin).astype(h.dtype)
+        k = apply_rope(k.astype(jnp.float32), cos, sin).astype(h.dtype)
+        # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches (L = N: one block-diagonal mask)
+        ln = mask.shape[-1]
+        q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
+        return self.proj(attention(q, k, v, mask).reshape(n, d))
 
 
-def _merge(cfg: VisionConfig, p: dict, x, norm_first: bool):
-    m2 = cfg.spatial_merge_size**2
-    if norm_first:   # final merger: LayerNorm over Dv, then the 2x2 shuffle
-        x = layer_norm(p["norm"], x, cfg.layer_norm_eps).reshape(-1, m2 * x.shape[-1])
-    else:            # DeepStack mergers: the shuffle, then LayerNorm over 4·Dv
-        x = layer_norm(p["norm"], x.reshape(-1, m2 * x.shape[-1]), cfg.layer_norm_eps)
-    return dense(p["fc2"], jax.nn.gelu(dense(p["fc1"], x), approximate=False))
+class VisionMLP(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+        self.fc1 = Dense(cfg.hidden_size, cfg.intermediate_size, ("hidden", "mlp"), rngs=rngs)
+        self.fc2 = Dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "hidden"), rngs=rngs)
+
+    def __call__(self, h):
+        return self.fc2(jax.nn.gelu(self.fc1(h), approximate=True))
 
 
-def vision_tower(cfg: VisionConfig, p: dict, pixel_values: jax.Array, geo: VisionGeometry,
-                 remat: bool = False) -> tuple[jax.Array, jax.Array]:
+class VisionBlock(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+        self.norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
+        self.attn = VisionAttention(cfg, rngs=rngs)
+        self.norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
+        self.mlp = VisionMLP(cfg, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class Merger(nnx.Module):
+    """2×2 patch merger. The final one (`norm_first`) normalises over Dv before the shuffle; the DeepStack
+    mergers shuffle first and normalise over 4·Dv."""
+
+    def __init__(self, cfg: VisionConfig, norm_first: bool, *, rngs: nnx.Rngs):
+        md = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.norm_first = norm_first
+        self.m2 = cfg.spatial_merge_size**2
+        self.norm = LayerNorm(cfg.hidden_size if norm_first else md, cfg.layer_norm_eps, rngs=rngs)
+        self.fc1 = Dense(md, md, ("hidden", "mlp"), rngs=rngs)
+        self.fc2 = Dense(md, cfg.out_hidden_size, ("mlp", "hidden"), rngs=rngs)
+
+    def __call__(self, x):
+        m2 = self.m2
+        if self.norm_first:
+            x = self.norm(x).reshape(-1, m2 * x.shape[-1])
+        else:
+            x = self.norm(x.reshape(-1, m2 * x.shape[-1]))
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
+
+
+class VisionTower(nnx.Module):
     """pixel_values [N, C·T·P·P] → merged features [N/m², D] and DeepStack features [n_ds, N/m², D]."""
-    dtype = p["patch_embed"]["kernel"].dtype
-    x = dense(p["patch_embed"], pixel_values.astype(dtype))
-    table = p["pos_embed"]["embedding"].astype(jnp.float32)
-    taps = jnp.take(table, geo.pos_idx, axis=0) * geo.pos_w[..., None]            # [4, N, Dv] float32
-    x = x + (((taps[0] + taps[1]) + taps[2]) + taps[3]).astype(dtype)
 
-    inv = torch_inv_freq(cfg.head_dim // 2, cfg.rope_theta)                       # [hd/4]
-    phi = jnp.concatenate([geo.rows[:, None] * inv, geo.cols[:, None] * inv], axis=-1).astype(jnp.float32)
-    emb = jnp.concatenate([phi, phi], axis=-1)[:, None, :]                          # [N, 1, hd]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if geo.frame_len:
-        mask = jnp.ones((1, geo.frame_len, geo.frame_len), bool)
-    else:
-        mask = (geo.segment[:, None] == geo.segment[None, :])[None]
+    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+        dv = cfg.hidden_size
+        self.cfg = cfg
+        self.patch_embed = Dense(cfg.patch_dim, dv, (None, "hidden"), rngs=rngs)
+        self.pos_embed = Embed(cfg.num_position_embeddings, dv, (None, "hidden"), rngs=rngs)
+        self.blocks = stacked(cfg.depth, lambda r: VisionBlock(cfg, rngs=r), rngs)
+        self.merger = Merger(cfg, True, rngs=rngs)
+        self.deepstack = stacked(len(cfg.deepstack_visual_indexes), lambda r: Merger(cfg, False, rngs=r), rngs)
 
-    def body(x, lp):
-        return _block(cfg, lp, x, cos, sin, mask), None
+    def __call__(self, pixel_values: jax.Array, geo: VisionGeometry, remat: bool = False):
+        cfg = self.cfg
+        dtype = self.patch_embed.kernel[...].dtype
+        x = self.patch_embed(pixel_values.astype(dtype))
+        table = self.pos_embed.embedding[...].astype(jnp.float32)
+        taps = jnp.take(table, geo.pos_idx, axis=0) * geo.pos_w[..., None]        # [4, N, Dv] float32
+        x = x + (((taps[0] + taps[1]) + taps[2]) + taps[3]).astype(dtype)
 
-    if remat:
-        body = jax.checkpoint(body)
-    taps_out, start = [], 0
-    stops = [(i + 1, j) for j, i in enumerate(cfg.deepstack_visual_indexes)] + [(cfg.depth, None)]
-    for end, tap in stops:   # scan the blocks between DeepStack taps; tap j reads block i's output
-        if end > start:
-            x, _ = jax.lax.scan(body, x, jax.tree.map(lambda a: a[start:end], p["blocks"]))
-        if tap is not None:
-            taps_out.append(_merge(cfg, jax.tree.map(lambda a: a[tap], p["deepstack"]), x, norm_first=False))
-        start = end
-    merged = _merge(cfg, p["merger"], x, norm_first=True)
-    deep = jnp.stack(taps_out) if taps_out else jnp.zeros((0,) + merged.shape, merged.dtype)
-    return merged, deep
+        inv = torch_inv_freq(cfg.head_dim // 2, cfg.rope_theta)                   # [hd/4]
+        phi = jnp.concatenate([geo.rows[:, None] * inv, geo.cols[:, None] * inv], axis=-1).astype(jnp.float32)
+        emb = jnp.concatenate([phi, phi], axis=-1)[:, None, :]                      # [N, 1, hd]
+        cos, sin = jnp.cos(emb), jnp.sin(emb)
+        if geo.frame_len:
+            mask = jnp.ones((1, geo.frame_len, geo.frame_len), bool)
+        else:
+            mask = (geo.segment[:, None] == geo.segment[None, :])[None]
+
+        taps_out, start = [], 0
+        stops = [(i + 1, j) for j, i in enumerate(cfg.deepstack_visual_indexes)] + [(cfg.depth, None)]
+        for end, tap in stops:   # scan the blocks between DeepStack taps; tap j reads block i's output
+            if end > start:
+                graphdef, state = layer_slices(self.blocks, start, end)
+
+                def body(x, st, graphdef=graphdef):
+                    return nnx.merge(graphdef, st)(x, cos, sin, mask), None
+
+                x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, x, state)
+            if tap is not None:
+                graphdef, state = nnx.split(self.deepstack)
+                taps_out.append(nnx.merge(graphdef, jax.tree.map(lambda a: a[tap], state))(x))
+            start = end
+        merged = self.merger(x)
+        deep = jnp.stack(taps_out) if taps_out else jnp.zeros((0,) + merged.shape, merged.dtype)
+        return merged, deep

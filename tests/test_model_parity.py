@@ -131,17 +131,18 @@ def test_frames_of_one_size_attend_per_frame(untied):
 
     import jax
 
-    from prisma_jax.vision import vision_geometry, vision_tower
+    from prisma_jax.model import bind
+    from prisma_jax.vision import vision_geometry
     _, ours = untied
-    cfg, p = ours.config.vision, ours.params["vision"]
+    cfg = ours.config.vision
     assert vision_geometry(cfg, np.array([[1, 4, 6], [1, 14, 10]])).frame_len == 0
     assert vision_geometry(cfg, np.array([[2, 4, 4], [1, 4, 4]])).frame_len == 16   # a 2-frame video + an image
     grids = np.array([[1, 4, 6], [2, 4, 6]])
     geo = vision_geometry(cfg, grids)
     assert geo.frame_len == 24
     pv = random_pixels(grids.tolist(), 7)
-    run = jax.jit(lambda g: vision_tower(cfg, p, pv, g))
-    (m1, d1), (m0, d0) = run(geo), run(dataclasses.replace(geo, frame_len=0))
+    run = jax.jit(lambda p, g: bind(ours.config, p).vision(pv, g))
+    (m1, d1), (m0, d0) = run(ours.params, geo), run(ours.params, dataclasses.replace(geo, frame_len=0))
     assert np.abs(np.asarray(m1) - np.asarray(m0)).max() < 1e-5
     assert np.abs(np.asarray(d1) - np.asarray(d0)).max() < 1e-5
     assert np.abs(np.asarray(m1)).max() > 0.1

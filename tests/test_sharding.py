@@ -1,5 +1,6 @@
 """The sharding tables and the plan's arithmetic, in-process and single-device (the multi-device runs are in
 test_sharding_mesh.py / _multihost.py / _tpu.py, each in subprocesses)."""
+import json
 import logging
 import math
 import os
@@ -12,12 +13,15 @@ from prisma_jax.cli import main
 from prisma_jax.config import load_config
 from prisma_jax.params import flatten, param_shapes
 from prisma_jax.plan import all_gathers, forbidden_gathers, matmul_params, train_flops
-from prisma_jax.sharding import (CACHE_AXES, LOGICAL_RULES, PARAM_AXES, PRESETS, MeshSpec, batch_shards, param_axes,
-                                 spec_for, take_rows)
+from prisma_jax.sharding import (CACHE_AXES, LOGICAL_RULES, MESH_AXES, PRESETS, MeshSpec, batch_shards, param_axes,
+                                 param_specs, spec_for, take_rows)
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 CFG8 = load_config(os.path.join(ROOT, "configs", "prisma_vl_8b.yaml"))
 TINY = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
+# every leaf's logical axes, as reviewed for the 8B layout (docs/sharding.md); the modules must declare these
+with open(os.path.join(ROOT, "tests", "data", "param_axes.json")) as f:
+    PARAM_AXES = {k: tuple(v) for k, v in json.load(f).items()}
 
 
 class FakeMesh:
@@ -61,9 +65,31 @@ def test_every_parameter_has_one_rule():
             a = axes
             for k in path:
                 a = a[k]
-            assert len(a) == len(shape)
+            assert a == PARAM_AXES["/".join(path)] and len(a) == len(shape)
             if path[0] in ("text", "vision") and path[1] in ("layers", "blocks", "deepstack"):
                 assert a[0] == "layers" and LOGICAL_RULES["layers"] is None   # stacked axes stay whole
+
+
+@pytest.mark.parametrize("preset", ["v5p-8", "cpu-8"])
+def test_module_partition_specs_equal_the_param_shardings(preset):
+    """nnx.get_partition_spec of the abstract 8B module, under the logical rules, is what `param_specs` (used
+    to place every checkpoint and the training state) gives on that preset's training mesh."""
+    import jax
+    from flax import nnx
+
+    from prisma_jax.model import PrismaVLModule
+
+    p = PRESETS[preset]
+    mesh = jax.sharding.AbstractMesh(p.train.shape(p.n_devices), MESH_AXES)
+    abstract = nnx.eval_shape(lambda: PrismaVLModule(CFG8, rngs=nnx.Rngs(0)))
+    with nnx.logical_axis_rules(tuple(LOGICAL_RULES.items())):
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(abstract, nnx.Param)))
+    want = param_specs(CFG8, mesh)
+    got, exp = dict(flatten(specs)), dict(flatten(want))
+    assert got.keys() == exp.keys() and len(got) == len(PARAM_AXES)
+    for k in exp:
+        assert got[k] == exp[k], k
+    assert got[("text", "embed", "embedding")] == jax.sharding.PartitionSpec("tensor", "fsdp")
 
 
 def test_big_tables_are_split_rows_on_tensor_columns_on_fsdp():

@@ -4,8 +4,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from prisma_jax.uncertainty import codes_from_logits, entropy, inject, prompt_codes, shift_codes
+from prisma_jax.uncertainty import Uncertainty, codes_from_logits, entropy, prompt_codes, shift_codes
 
 
 def ref_entropy64(z):
@@ -69,7 +70,9 @@ def test_inject_skips_none_and_placeholders():
     emb = np.zeros((1, 4, 3), np.float32)
     ids = np.array([[10, 5, 11, 6]])           # 5 image, 6 video placeholder
     codes = np.array([[2, 1, -1, 3]])
-    out = np.asarray(inject(jnp.asarray(emb), jnp.asarray(table), jnp.asarray(ids), jnp.asarray(codes), (5, 6)))
+    u = Uncertainty(4, 3, (5, 6), rngs=nnx.Rngs(0))
+    u.embedding[...] = jnp.asarray(table)
+    out = np.asarray(u(jnp.asarray(emb), jnp.asarray(ids), jnp.asarray(codes)))
     np.testing.assert_array_equal(out[0, 0], table[2])
     np.testing.assert_array_equal(out[0, 1:], 0)
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from prisma_jax.model import Batch, head, hidden
+from prisma_jax.model import Batch, bind
 from prisma_jax.params import init_params
 from prisma_jax.uncertainty import codes_from_entropy, codes_from_logits, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
@@ -147,11 +147,13 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
         fixed = jax.lax.stop_gradient(params)
 
         def one_pass(c, _):
-            h, _ = hidden(m, fixed, mb._replace(codes=c))
-            return shift_codes(mb.codes, codes_from_logits(head(m, fixed, h), m.n_bits), supervised), None
+            model = bind(m, fixed)
+            h, _ = model.hidden(mb._replace(codes=c))
+            return shift_codes(mb.codes, codes_from_logits(model.head(h), m.n_bits), supervised), None
         codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)
-    h, _ = hidden(m, params, mb._replace(codes=codes), remat_policy=remat_policy(remat))
-    return head(m, params, h).astype(jnp.float32), codes
+    model = bind(m, params)
+    h, _ = model.hidden(mb._replace(codes=codes), remat_policy=remat_policy(remat))
+    return model.head(h).astype(jnp.float32), codes
 
 
 @jax.custom_vjp
