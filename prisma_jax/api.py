@@ -4,6 +4,7 @@
     logits = model.forward(input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, codes_in=None)
     codes = model.uncertainty_codes(logits)
     model.params, model.config
+    model.module                        # the same weights as a Flax NNX `model.PrismaVLModule`
 
     model = PrismaVL.from_pretrained(path, dtype="bfloat16", mesh={"data": 2, "fsdp": 2, "tensor": 2})  # or "cpu-8"
 
@@ -88,6 +89,11 @@ class PrismaVL:
             return cls(cfg, params, mesh=mesh)
         params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, seed, dt, uncertainty_init=uncertainty_init))
         return cls(cfg, params)
+
+    @property
+    def module(self):
+        """The model as a `flax.nnx` module holding these params (`model.to_params` turns it back)."""
+        return M.bind(self.config, self.params)
 
     @property
     def dtype(self):

@@ -114,8 +114,7 @@ class Uncertainty(nnx.Module):
                  rngs: nnx.Rngs):
         check_table_init(init)
         key = rngs["table"].key[...] if "table" in rngs else rngs.params()
-        table = (jnp.zeros((levels, hidden), jnp.float32) if init == "zeros"
-                 else table_rows(key, 0, levels, hidden))
+        table = _table_program(levels, hidden, jnp.dtype(jnp.float32), init, None)(key, np.uint32(0))
         self.placeholder_ids = tuple(placeholder_ids)
         self.embedding = nnx.Param(table, out_sharding=("levels", "hidden"), eager_sharding=False)
 

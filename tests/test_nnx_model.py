@@ -1,0 +1,70 @@
+"""The Flax NNX module is the model: called eagerly it gives the jitted functional forward's logits, its params
+are today's plain dict (checkpoint layout), and module ↔ dict round trips change no logit."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hf_tiny import IMAGE, VEND, VSTART
+from prisma_jax import PrismaVL
+from prisma_jax.config import load_config
+from prisma_jax.model import PrismaVLModule, bind, to_params
+from prisma_jax.params import flatten, param_shapes
+from prisma_jax.uncertainty import fresh_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
+
+
+def inputs(model: PrismaVL):
+    """A text row and a row with one 32×64 image (grid 1×2×4 → 2 image tokens), their codes, on the host."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(7, CFG.text.vocab_size, (2, 10))
+    ids[1, 2:6] = [VSTART, IMAGE, IMAGE, VEND]
+    grid = np.array([[1, 2, 4]])
+    pixels = rng.standard_normal((8, CFG.vision.patch_dim)).astype(np.float32)
+    codes = rng.integers(-1, CFG.n_levels, (2, 10))
+    return model.prepare(ids, pixel_values=pixels, image_grid_thw=grid, codes_in=codes)
+
+
+def test_eager_module_equals_the_jitted_functional_forward():
+    module = PrismaVLModule(CFG, rngs=nnx.Rngs(params=0, table=0))
+    model = PrismaVL(CFG, to_params(module))
+    b = inputs(model)
+    eager = module(jnp.asarray(b.input_ids), jnp.asarray(b.attention_mask), jnp.asarray(b.positions),
+                   codes_in=jnp.asarray(b.codes), pixel_values=jnp.asarray(b.pixel_values), geometry=b.geometry)
+    jitted = model.forward(b.input_ids, pixel_values=b.pixel_values, image_grid_thw=np.array([[1, 2, 4]]),
+                           codes_in=b.codes)
+    assert eager.shape == (2, 10, CFG.text.vocab_size) and float(jnp.abs(eager).max()) > 0.1
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), atol=2e-6, rtol=0)
+    # the codes are data: other codes, other logits, and nothing in the module remembers them
+    other = module(jnp.asarray(b.input_ids), jnp.asarray(b.attention_mask), jnp.asarray(b.positions),
+                   codes_in=jnp.asarray(b.codes) * 0 + 3, pixel_values=jnp.asarray(b.pixel_values),
+                   geometry=b.geometry)
+    assert float(jnp.abs(other - eager).max()) > 1e-3
+    again = module(jnp.asarray(b.input_ids), jnp.asarray(b.attention_mask), jnp.asarray(b.positions),
+                   codes_in=jnp.asarray(b.codes), pixel_values=jnp.asarray(b.pixel_values), geometry=b.geometry)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(eager))
+
+
+def test_module_dict_round_trip_gives_identical_logits():
+    module = PrismaVLModule(CFG, rngs=nnx.Rngs(params=1, table=1))
+    graphdef, state = nnx.split(module)
+    params = nnx.to_pure_dict(state)
+    assert {p: tuple(a.shape) for p, a in flatten(params)} == dict(flatten(param_shapes(CFG)))
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(params))
+    np.testing.assert_array_equal(np.asarray(params["uncertainty"]["embedding"]), np.asarray(fresh_table(1, (256, 64))))
+
+    fresh = nnx.eval_shape(lambda: PrismaVLModule(CFG, rngs=nnx.Rngs(0)))
+    g2, s2 = nnx.split(fresh)
+    nnx.replace_by_pure_dict(s2, jax.tree.map(lambda x: x + 0, params))
+    merged = nnx.merge(g2, s2)
+    b = inputs(PrismaVL(CFG, params))
+    args = (jnp.asarray(b.input_ids), jnp.asarray(b.attention_mask), jnp.asarray(b.positions))
+    kw = dict(codes_in=jnp.asarray(b.codes), pixel_values=jnp.asarray(b.pixel_values), geometry=b.geometry)
+    run = jax.jit(lambda gd, st: nnx.merge(gd, st)(*args, **kw))
+    want = run(graphdef, state)
+    np.testing.assert_array_equal(np.asarray(run(g2, nnx.state(merged))), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda p: bind(CFG, p)(*args, **kw))(params)), np.asarray(want))
