@@ -53,16 +53,24 @@ def unstack(stack: nnx.Module) -> nnx.List:
 
 
 class Dense(nnx.Module):
-    """y = x·kernel (+ bias); kernel [in, out], computed in x's dtype."""
+    """y = x·kernel (+ bias) (+ scale · LoRA(x) with `lora`, lora.py); kernel [in, out], computed in x's dtype."""
 
-    def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool = True, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool = True, lora=None, rngs: nnx.Rngs):
         self.kernel = param(normal, rngs.params(), (d_in, d_out), axes)
         self.bias = param(zeros, rngs.params(), (d_out,), (None,)) if bias else None
+        self.lora_scale = None if lora is None else float(lora.scale)
+        self.lora = None if lora is None else nnx.LoRA(
+            d_in, lora.rank, d_out, rngs=rngs, dtype=None,
+            a_metadata={"out_sharding": (axes[0], None), "eager_sharding": False},
+            b_metadata={"out_sharding": (None, axes[1]), "eager_sharding": False})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
+        if self.lora is not None:
+            a, b = self.lora.lora_a[...].astype(x.dtype), self.lora.lora_b[...].astype(x.dtype)
+            y = y + jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", x, a), b) * jnp.asarray(self.lora_scale, x.dtype)
         return y
 
 

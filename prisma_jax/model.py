@@ -51,12 +51,13 @@ def attention_mask(key_valid: jax.Array, write_pos, n_query: int) -> jax.Array:
 
 class PrismaVLModule(nnx.Module):
     """Qwen3-VL + the uncertainty table. `rngs`: `nnx.Rngs(params=key, table=seed)` draws the table as
-    `uncertainty.fresh_table(seed)`; `uncertainty_init="zeros"` gives plain Qwen3-VL."""
+    `uncertainty.fresh_table(seed)`; `uncertainty_init="zeros"` gives plain Qwen3-VL. `lora`: a
+    `lora.LoraSpec` adds adapters to its target modules."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, uncertainty_init: str = "normal"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, uncertainty_init: str = "normal", lora=None):
         self.cfg = cfg
-        self.vision = VisionTower(cfg.vision, rngs=rngs)
-        self.text = TextModel(cfg.text, rngs=rngs)
+        self.vision = VisionTower(cfg.vision, lora=lora, rngs=rngs)
+        self.text = TextModel(cfg.text, lora=lora, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Dense(cfg.text.hidden_size, cfg.text.vocab_size, ("hidden", "vocab"), bias=False, rngs=rngs))
         self.uncertainty = Uncertainty(cfg.n_levels, cfg.text.hidden_size, (cfg.image_token_id, cfg.video_token_id),
@@ -129,14 +130,15 @@ class PrismaVLModule(nnx.Module):
 # ---------------------------------------------------------------------------------------------- functional API
 
 @functools.lru_cache(maxsize=16)
-def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, lora=None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract param state) of the model: shapes, dtypes and sharding metadata, no weights."""
-    return nnx.split(nnx.eval_shape(lambda: PrismaVLModule(cfg, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: PrismaVLModule(cfg, rngs=nnx.Rngs(0), lora=lora)))
 
 
-def bind(cfg: ModelConfig, params: dict) -> PrismaVLModule:
-    """The module holding `params` (a plain dict in the params.py layout), to call inside a trace."""
-    graphdef, state = abstract_model(cfg)
+def bind(cfg: ModelConfig, params: dict, lora=None) -> PrismaVLModule:
+    """The module holding `params` (a plain dict in the params.py layout; with `lora`, its adapters too), to
+    call inside a trace."""
+    graphdef, state = abstract_model(cfg, lora)
     state = jax.tree.map(lambda x: x, state)                      # fresh Variables; the cached state stays
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

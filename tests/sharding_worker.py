@@ -166,6 +166,20 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     loop.run(mcfg, os.path.join(work, "loop8"), **quiet)         # resumed on the mesh from step 2
     losses = lambda d: [json.loads(x)["loss"] for x in open(os.path.join(work, d, "metrics.jsonl"))]  # noqa: E731
     res["loop_losses_one"], res["loop_losses_mesh"] = losses("loop1"), losses("loop8")
+
+    # LoRA on the mesh: the same losses as on one device; adapters sharded like their kernels
+    from prisma_jax.lora import LoraSpec
+    lora = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj", "fc1"))
+    l1 = dataclasses.replace(lcfg, train=dataclasses.replace(lcfg.train, lora=lora))
+    l8 = dataclasses.replace(l1, train=dataclasses.replace(l1.train, mesh=MeshSpec(2, 2, 2)))
+    loop.run(l1, os.path.join(work, "lora1"), **quiet)
+    loop.run(l8, os.path.join(work, "lora8"), stop_at=2, **quiet)
+    loop.run(l8, os.path.join(work, "lora8"), **quiet)
+    res["lora_losses_one"], res["lora_losses_mesh"] = losses("lora1"), losses("lora8")
+    state, base = sharded.init_state(l8, sharded.mesh_of(l8))
+    res["lora_shards"] = {jax.tree_util.keystr(k): sorted({tuple(x.data.shape) for x in v.addressable_shards})
+                          for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    res["lora_base_leaves"] = len(jax.tree.leaves(base))
     np.savez(out + ".npz", **p1)
     with open(out, "w") as f:
         json.dump(res, f)

@@ -9,6 +9,12 @@ table as every other conversion, `params.hf_names`) and streamed into its shard 
 the largest leaf (a layer-stacked kernel, as stored) plus a block, whatever the model's total size
 (docs/benchmarks.md). The model config is the one the checkpoint recorded (`meta.model`). Written in a staging
 directory, fsynced and swapped in at the end (conversion/staging.py).
+
+A LoRA run's checkpoint holds the trained leaves only: `merge_lora=True` folds its adapters into its base
+(train.init, checked against the crc32s the run recorded, or the random base of its seed) and writes the
+merged model, held once in float32; `adapters=True` writes the adapters alone in peft's layout
+(`adapter_model.safetensors`, `adapter_config.json`) and, when the run trained it, the uncertainty table
+(`uncertainty_table.safetensors`, the Hugging Face tensor name).
 """
 from __future__ import annotations
 
@@ -108,13 +114,101 @@ def write_hf(params, cfg: ModelConfig, dst: str, processor_dir: str | None = Non
 
 def export(workdir: str, dst: str, step: int | None = None, processor_dir: str | None = None,
            eos_token_id=None, pad_token_id=None, overwrite: bool = False,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
-    """`checkpoint_leaves` then `write_hf`; returns the step exported."""
+           max_shard_bytes: int = MAX_SHARD_BYTES, merge_lora: bool = False, adapters: bool = False) -> int:
+    """`checkpoint_leaves` then `write_hf` (a LoRA run: merged or adapters only); returns the step exported."""
     check_destination(dst, overwrite)
     leaf, cfg, step, close = checkpoint_leaves(workdir, step)
+    generation = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     try:
-        write_hf(leaf, cfg, dst, processor_dir, {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id},
-                 overwrite, max_shard_bytes)
+        tcfg, base = _run_config(workdir, step)
+        if tcfg.train.lora is None and (merge_lora or adapters):
+            raise ValueError(f"{workdir}: not a LoRA run (train.lora is null): export it without --merge-lora "
+                             "or --lora-adapters")
+        if tcfg.train.lora is None:
+            write_hf(leaf, cfg, dst, processor_dir, generation, overwrite, max_shard_bytes)
+        elif merge_lora == adapters:
+            raise ValueError(f"{workdir} is a LoRA run: choose --merge-lora (the merged model) or --lora-adapters "
+                             "(the adapters alone, peft's layout)")
+        else:
+            trained = _trained_leaves(tcfg, leaf)
+            if adapters:
+                _write_adapters(tcfg, trained, base, dst, overwrite)
+            else:
+                write_hf(_merged(tcfg, trained, base), cfg, dst, processor_dir, generation, overwrite,
+                         max_shard_bytes)
     finally:
         close()
     return step
+
+
+def _run_config(workdir: str, step: int):
+    """(the run's training Config, its base identity or None), as its checkpoint's meta recorded them."""
+    import orbax.checkpoint as ocp
+
+    from .config import config_from_raw
+    from .loop import CHECKPOINT_ITEMS, checkpoint_dir
+
+    mngr = ocp.CheckpointManager(checkpoint_dir(workdir), item_names=CHECKPOINT_ITEMS)
+    try:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+        mngr.close()
+    return config_from_raw(meta["config"]), meta.get("base")
+
+
+def _trained_leaves(tcfg, leaf) -> dict:
+    from prisma_jax.params import flatten, param_shapes
+
+    from .step import is_trained
+
+    out: dict = {}
+    for path, _ in flatten(param_shapes(tcfg.model, tcfg.train.lora)):
+        if is_trained(tcfg, path):
+            set_path(out, path, leaf(path))
+    return out
+
+
+def _merged(tcfg, trained: dict, base: dict) -> dict:
+    """The base (checked against the run's record) with the trained table and the adapters folded in."""
+    import jax
+
+    from prisma_jax.lora import merge
+    from prisma_jax.params import init_params
+
+    from .loop import _initial_params, base_identity
+    from .step import combine, partition
+
+    if base_identity(tcfg) != base:
+        raise ValueError(f"the run's base ({base.get('path', base)}) has changed since training: its files' crc32s "
+                         "differ from those the run recorded")
+    full = _initial_params(tcfg)
+    if full is None:
+        full = jax.jit(lambda k: init_params(tcfg.model, jax.random.fold_in(k, 1)))(
+            jax.random.PRNGKey(tcfg.train.seed))
+    _, rest = partition(jax.tree.map(np.asarray, full), lambda p: get_path_or_none(trained, p) is not None)
+    return jax.tree.map(np.asarray, merge(combine(trained, rest), tcfg.train.lora))
+
+
+def get_path_or_none(tree: dict, path):
+    for k in path:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
+
+
+def _write_adapters(tcfg, trained: dict, base: dict, dst: str, overwrite: bool) -> None:
+    from safetensors.numpy import save_file
+
+    from prisma_jax.lora import peft_config, peft_tensors
+    from prisma_jax.params import TABLE_PATH, UNCERTAINTY_KEY
+
+    tensors = peft_tensors(trained, tcfg.model, tcfg.train.lora)
+    with Staging(dst, overwrite) as tmp:
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(peft_config(tensors, tcfg.train.lora, base.get("path")), f, indent=2)
+        table = get_path_or_none(trained, TABLE_PATH)
+        if table is not None:
+            save_file({UNCERTAINTY_KEY: np.ascontiguousarray(np.asarray(table, np.float32))},
+                      os.path.join(tmp, "uncertainty_table.safetensors"), metadata={"format": "pt"})

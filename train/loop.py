@@ -3,7 +3,9 @@
 Workdir layout::
 
     DIR/checkpoints/<step>/{state, data, meta}   Orbax: TrainState (params, optimizer, step, RNG), grain
-                                                 iterator state, the model config (checked on resume)
+                                                 iterator state, the model config (checked on resume);
+                                                 with LoRA the trained leaves only, and the base's
+                                                 identity (train.init's path and crc32s, or the seed)
     DIR/metrics.jsonl                            one JSON object per logged step
     DIR/tb/                                      the same scalars for TensorBoard (tensorboardX)
 
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -29,7 +32,7 @@ from prisma_jax.sharding import batch_shards
 
 from . import data as data_mod, sharded
 from .config import Config
-from .step import TrainState, init_state, make_train_step
+from .step import TrainState, init_lora, init_state, make_train_step
 
 
 class _Preempted:
@@ -80,17 +83,49 @@ def _initial_params(cfg: Config):
     return params
 
 
-def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=None) -> TrainState:
-    """The latest checkpoint in the manager's directory (checked to hold this model), or a fresh state; on
-    `mesh`, created or restored directly in its shardings."""
+def base_identity(cfg: Config) -> dict:
+    """What a LoRA run's frozen base is: train.init's directory and the crc32 of each of its files, or the
+    seed of a random base."""
+    if cfg.train.init is None:
+        return {"random_seed": cfg.train.seed}
+    path = os.path.abspath(cfg.train.init)
+    crcs = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".json")) and os.path.isfile(os.path.join(path, name)):
+            crc = 0
+            with open(os.path.join(path, name), "rb") as f:
+                while chunk := f.read(1 << 24):
+                    crc = zlib.crc32(chunk, crc)
+            crcs[name] = f"{crc:08x}"
+    return {"path": path, "crc32": crcs}
+
+
+def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=None):
+    """(the latest checkpoint in the manager's directory (checked to hold this model), or a fresh state; with
+    LoRA the frozen base, else None). On `mesh`, created or restored directly in its shardings."""
     latest = mngr.latest_step()
+    base = None
     if latest is None:
-        return init_state(cfg, _initial_params(cfg)) if mesh is None else sharded.init_state(cfg, mesh)
+        if mesh is not None:
+            return sharded.init_state(cfg, mesh)
+        if cfg.train.lora is not None:
+            return init_lora(cfg, _initial_params(cfg))
+        return init_state(cfg, _initial_params(cfg)), None
     meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     diff = _diff(meta.get("model", {}), json.loads(json.dumps(cfg.model.to_dict())))
     if diff:
         raise ValueError(f"{mngr.directory} holds a checkpoint (step {latest}) of a different model ("
                          + "; ".join(diff[:4]) + "): use another --workdir")
+    if (cfg.train.lora is None) != (meta.get("base") is None):
+        raise ValueError(f"{mngr.directory} holds a {'full' if meta.get('base') is None else 'LoRA'} fine-tuning "
+                         f"checkpoint (step {latest}); this config is {'full' if cfg.train.lora is None else 'LoRA'} "
+                         "fine-tuning: use another --workdir")
+    if cfg.train.lora is not None:
+        if meta["base"] != base_identity(cfg):
+            raise ValueError(f"{mngr.directory}: the LoRA checkpoint (step {latest}) was trained on another base "
+                             f"({meta['base'].get('path', meta['base'])}) than train.init now gives; its files or "
+                             "seed differ")
+        base = init_lora(cfg, _initial_params(cfg))[1] if mesh is None else sharded.init_state(cfg, mesh)[1]
     shapes = jax.eval_shape(lambda: _as_dict(init_state(cfg)))
     if mesh is None:
         dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -102,7 +137,7 @@ def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=Non
                                                         data=ocp.args.JsonRestore()))
     iterator.set_state(got["data"])
     s = got["state"]
-    return TrainState(s["step"], s["params"], s["opt_state"], s["rng"])
+    return TrainState(s["step"], s["params"], s["opt_state"], s["rng"]), base
 
 
 _STEPS: dict = {}
@@ -149,23 +184,25 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
     iterator = iter(dataset)
     mngr = _manager(cfg, workdir)
     try:
-        state = restore_or_init(cfg, mngr, iterator, mesh)
+        state, base = restore_or_init(cfg, mngr, iterator, mesh)
         start = int(state.step)
         where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
         log(f"data: {info.line() if info.records >= 0 else 'synthetic'}; "
             f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}{where}")
-        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh)
+        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh, base)
     finally:
         mngr.close()
 
 
-def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None):
+def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None, base=None):
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     _trim_metrics(metrics_path, start)
     meta = {"model": cfg.model.to_dict(), "config": cfg.to_dict()}
+    if base is not None:
+        meta["base"] = base_identity(cfg)
     step_fn = compiled_step(cfg, state.params, mesh)
     preempted = _Preempted()
     old = signal.signal(signal.SIGTERM, preempted)
@@ -192,9 +229,9 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                 n_in = int(np.sum(batch.attention_mask)) * jax.process_count()
                 if mesh is not None:
                     with jax.set_mesh(mesh):
-                        state, m = step_fn(state, sharded.put_batch(batch, mesh))
+                        state, m = step_fn(state, sharded.put_batch(batch, mesh), *([] if base is None else [base]))
                 else:
-                    state, m = step_fn(state, batch)
+                    state, m = step_fn(state, batch, *([] if base is None else [base]))
                 if step + 1 < stop_at:   # the step runs asynchronously: build the next batch meanwhile
                     batch, next_data_state = fetch()
                 m = jax.device_get(m)
