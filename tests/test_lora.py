@@ -157,3 +157,26 @@ def test_peft_reads_the_adapter_export_to_the_same_logits(runs, base, capsys):
     table = load_file(os.path.join(dst, "uncertainty_table.safetensors"))["model.uncertainty_embeddings.weight"]
     ref = reference_logits(peft_model.merge_and_unload(), IDS, table=table, codes_in=np.asarray(b.codes))
     np.testing.assert_allclose(ref, want, atol=1e-4, rtol=0)
+
+
+def test_a_lora_run_is_tied_to_its_base(runs, base, tmp_path):
+    """Resuming on another base (another directory, or the same files changed) is refused by name."""
+    import dataclasses
+    import shutil
+
+    from train.loop import base_identity
+
+    cfg, straight, _, _ = runs
+    other = str(tmp_path / "base")
+    shutil.copytree(base, other)
+    moved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init=other))
+    before = base_identity(moved)
+    assert before["crc32"] == base_identity(cfg)["crc32"] and before["path"] != base_identity(cfg)["path"]
+    with open(os.path.join(other, "model.safetensors"), "r+b") as f:     # one byte of a weight
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x07")
+    assert base_identity(moved)["crc32"]["model.safetensors"] != before["crc32"]["model.safetensors"]
+    work = str(tmp_path / "run")
+    shutil.copytree(straight, work)
+    with pytest.raises(ValueError, match="trained on another base"):
+        run(moved, work, progress=False, log=lambda *_: None)
