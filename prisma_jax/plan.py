@@ -134,8 +134,9 @@ def train_config(path: str, batch: int | None, seq: int | None, overrides=(), im
     `images` / `image_size` data.max_images / data.image_size."""
     from train.config import apply_overrides, config_from_raw
 
-    raw = apply_overrides(read_yaml(path), list(overrides))
-    if "train" not in raw:
+    own = read_yaml(path)
+    raw = apply_overrides(own, list(overrides))
+    if "train" not in own:                        # a model-only YAML (overrides such as train.lora keep it one)
         data = dict(raw.get("data") or {})
         data.setdefault("max_images", PLAN_IMAGES)
         data.setdefault("image_size", PLAN_IMAGE_SIZE)

@@ -216,6 +216,7 @@ def test_plan_lowers_the_lora_step_with_the_trained_leaves_only():
     tiny = os.path.join(ROOT, "configs", "tiny.yaml")
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     full = train_config(tiny, 2, 64, images=0)
+    assert train_config(tiny, 2, 512, ["train.lora={rank: 4}"]).data.image_size == 448   # still model-only
     lora = train_config(tiny, 2, 64, ["train.lora={rank: 4, targets: [q_proj, fc1]}"], images=0)
     s_full, no_base = abstract_train_state(full, mesh)
     s_lora, base = abstract_train_state(lora, mesh)
