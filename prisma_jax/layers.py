@@ -70,12 +70,13 @@ class Dense(nnx.Module):
             y = y + self.bias[...].astype(x.dtype)
         if self.lora is not None:
             a, b = self.lora.lora_a[...].astype(x.dtype), self.lora.lora_b[...].astype(x.dtype)
-            y = y + jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", x, a), b) * jnp.asarray(self.lora_scale, x.dtype)
+            low = jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", x, a), b)
+            y = y + low * jnp.asarray(self.lora_scale, x.dtype)
         return y
 
 
 class Embed(nnx.Module):
-    """A lookup table [rows, dim]; `lookup` never gathers a row-sharded table (sharding.take_rows)."""
+    """A lookup table [rows, dim]; a lookup never gathers a row-sharded table (sharding.take_rows)."""
 
     def __init__(self, rows: int, dim: int, axes: tuple, *, rngs: nnx.Rngs, init=normal):
         self.axes = tuple(axes)

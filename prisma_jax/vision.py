@@ -104,7 +104,8 @@ class VisionAttention(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q = apply_rope(q.astype(jnp.float32), cos, sin).astype(h.dtype)
         k = apply_rope(k.astype(jnp.float32), cos, sin).astype(h.dtype)
-        # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches (L = N: one block-diagonal mask)
+        # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches
+        # (L = N: one block-diagonal mask)
         ln = mask.shape[-1]
         q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
         return self.proj(attention(q, k, v, mask).reshape(n, d))
