@@ -135,8 +135,11 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def bind(cfg: ModelConfig, params: dict) -> PrismaVLModule:
-    """The module holding `params` (a plain dict in the params.py layout), to call inside a trace."""
-    graphdef, state = abstract_model(cfg)
+    """The module holding `params` (a plain dict in the params.py layout, or its int8 form: quantize.py), to
+    call inside a trace."""
+    from . import quantize
+
+    graphdef, state = (quantize.abstract_model if quantize.is_quantized(params) else abstract_model)(cfg)
     state = jax.tree.map(lambda x: x, state)                      # fresh Variables; the cached state stays
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
