@@ -7,6 +7,7 @@
     model.module                        # the same weights as a Flax NNX `model.PrismaVLModule`
 
     model = PrismaVL.from_pretrained(path, dtype="bfloat16", mesh={"data": 2, "fsdp": 2, "tensor": 2})  # or "cpu-8"
+    model = PrismaVL.from_pretrained(path, quantize="int8")   # int8 weight-only kernels for generation (quantize.py)
 
 With a mesh (a `sharding.MeshSpec`, a dict of axis sizes, a preset name or a `jax.sharding.Mesh`), every
 parameter is created directly in its sharding (distribute.py) and the entry points run under that mesh.
@@ -30,6 +31,7 @@ from .config import ModelConfig, load_config
 from .inputs import prepare
 from .loading import load_hf, resolve_dtype
 from .params import init_params_numpy
+from .quantize import check_mode, is_quantized
 from .sharding import make_mesh
 from .uncertainty import codes_from_logits
 
@@ -49,11 +51,14 @@ class PrismaVL:
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", uncertainty_init: str = "zeros", seed: int = 0,
-                        mesh=None, verify: bool = True):
+                        mesh=None, verify: bool = True, quantize: str | None = None):
         """A Hugging Face Qwen3-VL / Prisma-VL checkpoint directory (safetensors), or an Orbax directory written
         by `prisma convert hf-to-orbax` (its recorded crc32s checked unless verify=False); `mesh` shards it on
-        load."""
+        load; `quantize="int8"` then quantizes it for generation (`PrismaVL.quantize`)."""
         from conversion import is_converted, restore_params
+
+        if check_mode(quantize) is not None:
+            return cls.from_pretrained(path, dtype, uncertainty_init, seed, mesh, verify).quantize(quantize)
 
         if is_converted(path):   # each shard restored straight onto its device (dtype "keep" = as stored)
             if mesh is not None:
@@ -89,6 +94,21 @@ class PrismaVL:
             return cls(cfg, params, mesh=mesh)
         params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, seed, dt, uncertainty_init=uncertainty_init))
         return cls(cfg, params)
+
+    def quantize(self, mode: str = "int8") -> "PrismaVL":
+        """This model with int8 weight-only kernels, for generation (quantize.py says which tensors and how);
+        the unquantized leaves keep their dtype, which stays the compute dtype. It cannot be trained."""
+        from .quantize import quantize_params
+
+        if check_mode(mode) is None:
+            raise ValueError("quantize: a mode is required, e.g. 'int8'")
+        return PrismaVL(self.config, quantize_params(self.config, self.params, self.mesh), self.generation_config,
+                        self.path, self.mesh)
+
+    @property
+    def quantized(self) -> str | None:
+        """"int8" when the params are quantized (`quantize`), else None."""
+        return "int8" if is_quantized(self.params) else None
 
     @property
     def module(self):

@@ -1,6 +1,7 @@
 """`prisma generate`: chat prompts (and images) in, answers and their uncertainty codes out.
 
     prisma generate --model DIR --prompt "Describe this image." --image cat.png [--prompt ...] [--json]
+                    [--quantize int8]
 
 The tokenizer, chat template and image processor come from DIR (offline, processing.py); several `--prompt`s
 make one left-padded batch; each `--image` belongs to the `--prompt` before it (the first if none precedes).
@@ -34,6 +35,10 @@ def add_parser(subparsers) -> None:
                    help="temperature × (1 − previous code/(L−1))**power: sample less after uncertain steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from .quantize import MODES
+
+    p.add_argument("--quantize", default=None, choices=MODES,
+                   help="int8 weight-only kernels (the decoder's projections and lm_head; quantize.py)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="an Orbax --model: skip checking the crc32s its conversion recorded")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
@@ -65,7 +70,7 @@ def run(args) -> int:
     from .api import PrismaVL
     if args.compilation_cache:
         enable_compilation_cache(args.compilation_cache)
-    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype, verify=args.verify)
+    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype, verify=args.verify, quantize=args.quantize)
     eos = model.generation_config.get("eos_token_id", proc.ids["eos_token_id"])
     pad = model.generation_config.get("pad_token_id", proc.pad_token_id)
     res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), enc.get("image_grid_thw"),

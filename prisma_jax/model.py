@@ -136,9 +136,14 @@ def abstract_model(cfg: ModelConfig, lora=None) -> tuple[nnx.GraphDef, nnx.State
 
 
 def bind(cfg: ModelConfig, params: dict, lora=None) -> PrismaVLModule:
-    """The module holding `params` (a plain dict in the params.py layout; with `lora`, its adapters too), to
-    call inside a trace."""
-    graphdef, state = abstract_model(cfg, lora)
+    """The module holding `params` (a plain dict in the params.py layout; with `lora`, its adapters too; or its
+    int8 form: quantize.py), to call inside a trace."""
+    from . import quantize
+
+    if quantize.is_quantized(params):
+        graphdef, state = quantize.abstract_model(cfg)
+    else:
+        graphdef, state = abstract_model(cfg, lora)
     state = jax.tree.map(lambda x: x, state)                      # fresh Variables; the cached state stays
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

@@ -2,7 +2,7 @@
 a CPU host, with the real TPU compiler (libtpu from the `[tpu]` extra) — nothing is materialised.
 
     prisma plan --config configs/prisma_vl_8b.yaml --mesh v5p-8 [--batch B --seq S] [--images N --image-size S]
-                [--search]
+                [--search] [--quantize int8]
 
 `jax.experimental.topologies.get_topology_desc` gives abstract TPU devices for the preset's topology
 (sharding.PRESETS); every input is a `ShapeDtypeStruct` carrying its sharding (sharding.py's rules). For each
@@ -12,7 +12,8 @@ all-gather in the compiled HLO that materialises a whole table or `[B, V]` logit
 for 8 simulated CPU devices instead. The programs are the real ones: the training step is train/step.py's
 `make_train_step` fed the batch train/data.py's `Collate` builds (its image slots included: a model-only YAML
 plans PLAN_IMAGES image a row of PLAN_IMAGE_SIZE²); the decode program is generate.py's `decode` (the
-`lax.while_loop` `generate` runs, greedy) on the state generate.py's `prefill` returns.
+`lax.while_loop` `generate` runs, greedy) on the state generate.py's `prefill` returns. `--quantize int8`
+plans that decode program on the int8 params (quantize.py) and no training step (they cannot be trained).
 """
 from __future__ import annotations
 
@@ -78,10 +79,13 @@ def _sds(shape, dtype, mesh, logical):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec_for(shape, logical, mesh)))
 
 
-def decode_args(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype="bfloat16", spec=None) -> tuple:
+def decode_args(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype="bfloat16", spec=None,
+                quantize: str | None = None) -> tuple:
     """generate.decode's arguments after (cfg, spec), as sharded `ShapeDtypeStruct`s: the state is what
     generate.prefill returns (traced, not compiled) for a `[batch, cache_len − new_bucket]` prompt. The KV
-    cache follows CACHE_AXES, every `[B, ...]` leaf is split over the batch axes, the rest is replicated."""
+    cache follows CACHE_AXES, every `[B, ...]` leaf is split over the batch axes, the rest is replicated.
+    `quantize="int8"`: the params are the int8 dict (quantize.py), its other leaves in `dtype`."""
+    from . import quantize as Q
     from . import generate as G
     from .sampling import SamplingParams
 
@@ -91,7 +95,8 @@ def decode_args(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype=
         raise ValueError(f"--cache-len {cache_len} must exceed the decode output bucket {spec.new_bucket}")
     rep = NamedSharding(mesh, P())
     scalar = lambda dt: jax.ShapeDtypeStruct((), jnp.dtype(dt), sharding=rep)   # noqa: E731
-    params = abstract_sharded_params(cfg, mesh, dtype)
+    params = (abstract_sharded_params(cfg, mesh, dtype) if Q.check_mode(quantize) is None else
+              Q.abstract_params(cfg, dtype, mesh))
     row = ("batch", None)
     prompt = M.Batch(_sds((batch, p), jnp.int32, mesh, row), _sds((batch, p), bool, mesh, row),
                      _sds((batch, p), jnp.int32, mesh, row), _sds((3, batch, p), jnp.int32, mesh, (None,) + row))
@@ -348,15 +353,17 @@ def plan_train(tcfg, p: Preset, devices) -> dict:
             "seconds": time.time() - t0}
 
 
-def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int, dtype="bfloat16") -> dict:
+def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int, dtype="bfloat16",
+                quantize: str | None = None) -> dict:
     mesh = make_mesh(p.generate, devices)
     t0 = time.time()
     spec = decode_spec()
-    args = decode_args(cfg, mesh, batch, cache_len, dtype, spec)
+    args = decode_args(cfg, mesh, batch, cache_len, dtype, spec, quantize)
     compiled = lower_decode(cfg, mesh, batch, cache_len, dtype, spec, args).compile()
     mem = memory(compiled)
     weights, cache = bytes_per_device(args[0]), bytes_per_device(args[1].cache)
     out = {"mesh": _mesh_str(mesh), "batch": batch, "cache_len": cache_len, "new_bucket": spec.new_bucket,
+           "quantize": quantize,
            "memory": mem, "weights": weights, "cache": cache, "seconds": time.time() - t0,
            "bad_gathers": forbidden_gathers(compiled.as_text(), cfg, batch),
            "fits": None if p.hbm_gib is None else mem.total <= p.hbm_gib * GiB}
@@ -439,7 +446,8 @@ def format_decode(r: dict, p: Preset) -> str:
     hbm = "simulated" if p.hbm_gib is None else f"{p.hbm_gib:g} GiB"
     verdict = "" if r["fits"] is None else (": fits" if r["fits"] else ": DOES NOT FIT")
     lines = [f"decode loop    generate.decode (greedy); mesh {r['mesh']}; batch {r['batch']}, cache {r['cache_len']} "
-             f"slots ({r['cache_len'] - r['new_bucket']} prompt + {r['new_bucket']} new), bfloat16",
+             f"slots ({r['cache_len'] - r['new_bucket']} prompt + {r['new_bucket']} new), bfloat16"
+             + (f", {r['quantize']} kernels" if r.get("quantize") else ""),
              f"  per device: weights {_gib(r['weights'])}, arguments {_gib(m.arguments)}, temporaries "
              f"{_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}"]
     if "kv_budget_tokens" in r:
@@ -452,6 +460,8 @@ def format_decode(r: dict, p: Preset) -> str:
 
 def run(args) -> int:
     p = preset(args.mesh)
+    if args.quantize and args.search:
+        raise ValueError("--search plans training, and int8 params (--quantize) cannot be trained")
     if p.topology is None and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={p.n_devices}").strip()
@@ -476,11 +486,13 @@ def run(args) -> int:
             print(f"  nothing fits at seq {tcfg.train.seq_len}; largest that fits: batch {best} × seq {r['seq']}")
         else:
             print(f"  nothing fits, even one row per batch shard at seq {r['seq']}")
+    elif args.quantize:
+        print(f"training step  not planned: {args.quantize} params are for generation only")
     elif not args.no_train:
         print(format_train(plan_train(tcfg, p, devices), p, tcfg))
     gen_mesh = make_mesh(p.generate, devices)
     gb = args.gen_batch or gen_mesh.shape["data"] * gen_mesh.shape["fsdp"]
-    r = plan_decode(tcfg.model, p, devices, gb, args.cache_len or tcfg.train.seq_len)
+    r = plan_decode(tcfg.model, p, devices, gb, args.cache_len or tcfg.train.seq_len, quantize=args.quantize)
     print(format_decode(r, p))
     return 0
 
@@ -501,6 +513,10 @@ def add_parser(sub):
     ap.add_argument("--cache-len", type=int, help="decode KV-cache slots, prompt + 16 new (default: the training seq)")
     ap.add_argument("--search", action="store_true", help="find the largest training batch that fits")
     ap.add_argument("--no-train", action="store_true", help="only the decode loop")
+    from .quantize import MODES
+
+    ap.add_argument("--quantize", choices=MODES, help="plan the decode loop on int8 weights (quantize.py); "
+                    "no training step")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override, e.g. train.remat=dots (repeatable)")
     ap.set_defaults(func=run)

@@ -31,6 +31,7 @@ import optax
 from prisma_jax.lora import is_adapter
 from prisma_jax.model import Batch, bind
 from prisma_jax.params import TABLE_PATH, init_params
+from prisma_jax.quantize import refuse_training
 from prisma_jax.uncertainty import codes_from_entropy, codes_from_logits, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
 
@@ -94,6 +95,7 @@ def decay_mask(params: dict) -> dict:
 
 
 def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
+    refuse_training(params)                                       # int8 params are for generation only
     o = cfg.optimizer
     tx = optax.adamw(schedule(cfg), o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
     if o.clip_norm is not None:
