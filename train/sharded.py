@@ -9,6 +9,8 @@ vision geometry describes one row's slots, the same on every host, and is replic
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -37,15 +39,23 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
     return TrainState(rep, ps, opt, rep)
 
 
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg: Config, mesh: Mesh, given: bool):
+    """One jitted `fresh_state` per config and mesh (a second run in the same process compiles nothing)."""
+    sh = state_shardings(cfg, mesh)
+    if given:
+        return jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)
+    return jax.jit(lambda k: fresh_state(cfg, k), out_shardings=sh)
+
+
 def init_state(cfg: Config, mesh: Mesh) -> TrainState:
     """train/step.py's `fresh_state`, created directly in its shardings: random params are
     drawn by a program whose outputs are sharded, `train.init` is read shard by shard; nothing whole on a device."""
-    sh = state_shardings(cfg, mesh)
     key = jax.random.PRNGKey(cfg.train.seed)
     if cfg.train.init is None:
-        return jax.jit(lambda k: fresh_state(cfg, k), out_shardings=sh)(key)
+        return _init_fn(cfg, mesh, False)(key)
     params, _ = load_hf_sharded(cfg.train.init, mesh, dtype="float32")
-    return jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)(key, params)
+    return _init_fn(cfg, mesh, True)(key, params)
 
 
 def put_state(state: TrainState, shardings: TrainState) -> TrainState:
