@@ -9,6 +9,8 @@ vision geometry describes one row's slots, the same on every host, and is replic
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -44,20 +46,36 @@ def state_shardings(cfg: Config, mesh: Mesh) -> TrainState:
     return TrainState(rep, ps, opt, rep)
 
 
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg: Config, mesh: Mesh, given: bool):
+    """One jitted init per config and mesh (a second run in the same process compiles nothing): `fresh_state`,
+    or with LoRA `lora_init` then `fresh_state` of the trained leaves, returning (state, base)."""
+    sh = state_shardings(cfg, mesh)
+    if cfg.train.lora is not None:
+        trained_sh, base_sh = _lora_shardings(cfg, mesh)
+        first = jax.jit(lambda k, p: lora_init(cfg, k, p), out_shardings=(trained_sh, base_sh))
+        then = jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)
+
+        def init(k, p=None):
+            trained, base = first(k, p)
+            return then(k, trained), base
+        return init
+    if given:
+        step = jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)
+        return lambda k, p: (step(k, p), None)
+    step = jax.jit(lambda k: fresh_state(cfg, k), out_shardings=sh)
+    return lambda k: (step(k), None)
+
+
 def init_state(cfg: Config, mesh: Mesh):
     """train/step.py's `fresh_state` (with LoRA also the frozen base: `lora_init`), created directly in its
     shardings: random params are drawn by a program whose outputs are sharded, `train.init` is read shard by
     shard; nothing whole on a device. Returns (state, base or None)."""
-    sh = state_shardings(cfg, mesh)
     key = jax.random.PRNGKey(cfg.train.seed)
-    params = None if cfg.train.init is None else load_hf_sharded(cfg.train.init, mesh, dtype="float32")[0]
-    if cfg.train.lora is not None:
-        trained_sh, base_sh = _lora_shardings(cfg, mesh)
-        trained, base = jax.jit(lambda k, p: lora_init(cfg, k, p), out_shardings=(trained_sh, base_sh))(key, params)
-        return jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)(key, trained), base
-    if params is None:
-        return jax.jit(lambda k: fresh_state(cfg, k), out_shardings=sh)(key), None
-    return jax.jit(lambda k, p: fresh_state(cfg, k, p), out_shardings=sh, donate_argnums=1)(key, params), None
+    if cfg.train.init is None:
+        return _init_fn(cfg, mesh, False)(key)
+    params, _ = load_hf_sharded(cfg.train.init, mesh, dtype="float32")
+    return _init_fn(cfg, mesh, True)(key, params)
 
 
 def put_state(state: TrainState, shardings: TrainState) -> TrainState:
