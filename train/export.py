@@ -151,6 +151,17 @@ def _pieces(n, index: tuple, x: np.ndarray):
         yield (slice(hf_index[0].start + a, hf_index[0].start + b), *hf_index[1:]), n.to_hf(sub)
 
 
+def _write_region(layer: dict, index: tuple, data, file_of: dict) -> None:
+    """Every piece of the region `index` (values `data`) of one leaf, whose HF tensors by layer are `layer`,
+    into its file (no view of `data` outlives the call)."""
+    data = np.asarray(data, np.float32)
+    stacked = next(iter(layer)) is not None
+    for i in range(index[0].start, index[0].stop) if stacked else [None]:
+        x = data[i - index[0].start] if stacked else data
+        for hf_index, block in _pieces(layer[i], index, x):
+            file_of[layer[i].hf].put(layer[i].hf, block, hf_index)
+
+
 def write_hf(params, cfg: ModelConfig, dst: str, processor_dir: str | None = None,
              generation: dict | None = None, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Params → a Hugging Face checkpoint at `dst` (float32; one `model.safetensors`, or shards of at most
@@ -181,13 +192,8 @@ def write_hf(params, cfg: ModelConfig, dst: str, processor_dir: str | None = Non
                 any_n = next(iter(layer.values()))
                 hf_cols = -2 if path[-1] == "kernel" else -1     # whole HF rows where it can: one write each
                 for index, data in reader.regions(path, first_axes=(hf_cols,), whole=not L.blockable(any_n)):
-                    data = np.asarray(data, np.float32)
-                    layers = range(index[0].start, index[0].stop) if any_n.index is not None else [None]
-                    for i in layers:
-                        x = data if i is None else data[i - index[0].start]
-                        for hf_index, block in _pieces(layer[i], index, x):
-                            file_of[layer[i].hf].put(layer[i].hf, block, hf_index)
-                    del data
+                    _write_region(layer, index, data, file_of)
+                    del data        # before the next region is read: nothing else refers to it
         except BaseException:
             for w in writers:
                 w.f.close()
