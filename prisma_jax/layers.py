@@ -45,11 +45,18 @@ def layer_slices(stack: nnx.Module, start: int = 0, stop: int | None = None):
     return graphdef, state
 
 
-def unstack(stack: nnx.Module) -> nnx.List:
-    """The stacked layers as a list of per-layer modules (each a slice of the stack)."""
+def unstack(stack: nnx.Module, params: list | None = None) -> nnx.List:
+    """The stacked layers as a list of per-layer modules: each a slice of the stack, or holding `params[i]`
+    (per-layer arrays, in the layout of one layer's pure dict) when given."""
     graphdef, state = nnx.split(stack)
     n = jax.tree.leaves(state)[0].shape[0]
-    return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(n)])
+    out = []
+    for i in range(n):
+        st = jax.tree.map(lambda a, i=i: a[i], state)
+        if params is not None:
+            nnx.replace_by_pure_dict(st, params[i])        # the slice above is then dead code
+        out.append(nnx.merge(graphdef, st))
+    return nnx.List(out)
 
 
 class Dense(nnx.Module):

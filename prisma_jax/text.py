@@ -140,9 +140,19 @@ class TextModel(nnx.Module):
         return x, (None if cache is None else {"k": constrain(kc, CACHE_AXES), "v": constrain(vc, CACHE_AXES)})
 
 
-def unstack_layers(text: TextModel, cache: dict | None = None):
+def unstack_layers(text: TextModel, cache: dict | None = None, layer_params: list | None = None):
     """Stacked layout → unrolled layout, in place on `text` (a module merged inside the caller's trace): its
-    `layers` become a list of per-layer modules, and the cache {"k", "v"} tuples of per-layer arrays."""
-    text.layers = unstack(text.layers)
+    `layers` become a list of per-layer modules, and the cache {"k", "v"} tuples of per-layer arrays.
+    `layer_params`: per-layer weights held as separate arrays (`split_layers`), used instead of slicing the stack
+    (on XLA:CPU, a copy of every layer's weights per call)."""
+    text.layers = unstack(text.layers, layer_params)
     n = len(text.layers)
     return None if cache is None else {name: tuple(kv[i] for i in range(n)) for name, kv in cache.items()}
+
+
+def split_layers(params: dict) -> list[dict]:
+    """The decoder layers of a param dict as one dict of separate arrays per layer (a copy), for
+    `unstack_layers(..., layer_params=)`."""
+    stack = params["text"]["layers"]
+    n = jax.tree.leaves(stack)[0].shape[0]
+    return jax.jit(lambda st: [jax.tree.map(lambda a, i=i: a[i], st) for i in range(n)])(stack)

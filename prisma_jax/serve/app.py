@@ -282,18 +282,14 @@ def create_app(engine: Engine, processor, model_name: str, image_root: str | Non
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
                                             "owned_by": "prisma-jax"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        messages, p = parse_chat(load_json(await request.body()))
-        server.check_model(p)
-        enc = await run_in_threadpool(server.encode_chat, messages)
-        return await server.run(request, "chat", enc, p, "messages")
+    def endpoint(kind: str, parse, encode, param: str):
+        async def handle(request: Request):
+            prompt, p = parse(load_json(await request.body()))
+            server.check_model(p)
+            enc = await run_in_threadpool(encode, prompt)
+            return await server.run(request, kind, enc, p, param)
+        return handle
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        prompt, p = parse_completion(load_json(await request.body()))
-        server.check_model(p)
-        enc = await run_in_threadpool(server.encode_text, prompt)
-        return await server.run(request, "text", enc, p, "prompt")
-
+    app.post("/v1/chat/completions")(endpoint("chat", parse_chat, server.encode_chat, "messages"))
+    app.post("/v1/completions")(endpoint("text", parse_completion, server.encode_text, "prompt"))
     return app

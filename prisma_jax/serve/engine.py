@@ -23,13 +23,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
 from typing import Callable
 
 import jax
 import numpy as np
 
 from .. import generate as G
+from ..text import split_layers
 from . import slots as S
 
 DEFAULT_STEPS = 8          # K: decode steps per host round trip (docs/benchmarks.md, "prisma serve")
@@ -71,7 +71,6 @@ class _Request:
     cancelled: bool = False
     slot: int | None = None
     count: int = 0
-    submitted: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class Handle:
@@ -98,6 +97,8 @@ class Engine:
         self.prompt_floor, self.new_floor = prompt_floor, new_floor
         unroll = (jax.default_backend() == "cpu") if unroll_layers is None else bool(unroll_layers)
         self.spec = S.ServeSpec(introspection=introspection, unroll_layers=unroll)
+        # unrolled decode (CPU): the decoder layers as separate arrays, a copy made once (slots.advance)
+        self._layers = split_layers(model.params) if unroll else None
         gc = model.generation_config
         self.default_eos = gc.get("eos_token_id")
         self.pad_id = gc.get("pad_token_id")
@@ -266,7 +267,7 @@ class Engine:
     def _round(self) -> None:
         try:
             self._slots, out = self._advance(self.cfg, self._spec(), self._window(), self.steps, self.model.params,
-                                             self._slots)
+                                             self._layers, self._slots)
             out = jax.device_get(out)
         except Exception as e:          # noqa: BLE001 — the live requests fail, the engine goes on
             live = list(self._live.values())

@@ -131,6 +131,9 @@ def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batc
     `generate.prefill` does, and put it into slot `i`: its cache entries [shift, P) at [0, P − shift).
     sp / max_new / rng: the request's (scalars); eos [MAX_END_IDS]."""
     cache, key_valid, logits, prev = G.prompt_pass(cfg, params, batch, 0)
+    # the request is row 0 (under a mesh `generate.plan` adds dummy rows up to the batch shards)
+    cache = jax.tree.map(lambda a: a[:, :1], cache)
+    key_valid, logits, prev = key_valid[:1], logits[:1], prev[:1]
     p = batch.input_ids.shape[1]
     rng, key = jax.random.split(rng)
     one = lambda x: jnp.asarray(x)[None]                                                     # noqa: E731
@@ -179,13 +182,15 @@ def _hidden_rows(model, spec: ServeSpec, token, code_in, position, write, key_va
                                                                          key_valid, cache)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict, slots: Slots
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
+def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict, layer_params, slots: Slots
             ) -> tuple[Slots, Emitted]:
-    """k decode steps of every slot over cache entries [0, window); Emitted fields are [S, k]."""
+    """k decode steps of every slot over cache entries [0, window); Emitted fields are [S, k].
+    `layer_params`: with `spec.unroll_layers`, the decoder layers as separate arrays (text.split_layers, made
+    once by the engine: slicing the stack here would copy every layer's weights each round on XLA:CPU)."""
     model = M.bind(cfg, params)
     if spec.unroll_layers:
-        unstack_layers(model.text)
+        unstack_layers(model.text, layer_params=layer_params)
     ax = _row_axis(spec) + 1                                        # the cache's entry axis
     m = slots.key_valid.shape[1]
     cut = (lambda a: jax.lax.slice_in_dim(a, 0, window, axis=ax)) if window < m else (lambda a: a)  # noqa: E731
