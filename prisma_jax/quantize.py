@@ -1,30 +1,39 @@
-"""int8 weight-only quantization for generation, through qwix's post-training quantization (PTQ).
+"""int8 weight-only quantization for generation, with qwix's post-training quantization (PTQ).
 
     model = PrismaVL.from_pretrained(path, quantize="int8")       # or model.quantize("int8")
 
 What is quantized: the dense kernels a decode step reads every token — the text decoder's q/k/v/o and
-gate/up/down projections (stacked over layers) and an untied `lm_head` (`QUANTIZED`, a qwix rule on module
-paths). Each becomes int8 with one float32 scale per output channel (symmetric absmax: scale = max|w| / 127.5
-over the input axis, q = round(w / scale) clipped to [−128, 127]); the matmul dequantizes and runs in the
-activations' dtype (qwix's weight-only path). What stays as loaded, and why:
+gate/up/down projections (stacked over layers) and an untied `lm_head` (`QUANTIZED`, a regex on module
+paths, as qwix's rules match them). Each becomes int8 with one float32 scale per output channel (qwix's
+symmetric absmax: scale = max|w| / 127.5 over the input axis, q = round(w / scale) clipped to [−128, 127]).
+What stays as loaded, and why:
 
 * the uncertainty table (`uncertainty/embedding`): the mechanism's own learned parameter, added unchanged to
   the next input (docs/introspection-contract.md §3); and a lookup — a step reads B of its rows, so int8
-  would save no traffic (qwix PTQ quantizes matmuls only, not gathers);
+  would save memory but no traffic (and qwix PTQ quantizes matmuls, not gathers);
 * the token embedding (`text/embed`): a lookup for the same reason (a tied head, which reads it as a
   matmul, therefore stays float too);
 * the vision tower: it runs once per image in prefill (compute, not weight reads, bounds it) and decode
   never reads it; float keeps image features as they are;
 * norms and biases: a few vectors.
 
-How it fits the functional design (docs/design.md): the quantized params are still a plain nested dict,
-with each quantized kernel in qwix's NNX PTQ layout, `kernel: {"array": {"qvalue": int8 [..., in, out],
-"scale": float32 [..., 1, out]}}` (`qwix.quantize_params` writes exactly this). `model.bind` merges such a
-dict into `abstract_model(cfg)` below: the model whose quantized kernels are qwix `WithAux[QArray]`s, whose
-modules carry their qwix paths, and whose entry methods run under the `PtqProvider`'s interception, so the
-unchanged `Dense` einsum becomes qwix's quantized einsum inside every jitted entry point. Stacked layers
-stay stacked (one int8 `[L, in, out]` array and `[L, 1, out]` scales, sliced per layer by the scan).
-Quantized params are for generation: training refuses them (`refuse_training`).
+How it fits the functional design (docs/design.md): the int8 params are still a plain nested dict, each
+quantized kernel in qwix's NNX PTQ layout, `kernel: {"array": {"qvalue": int8 [..., in, out], "scale":
+float32 [..., 1, out]}}`, written by `qwix.quantize_params` against `abstract_model(cfg)` below — the model
+whose quantized kernels are qwix `WithAux[QArray]`s carrying how to quantize them. `model.bind` merges an int8
+dict into that model inside the trace; stacked layers stay stacked (one int8 `[L, in, out]` array and
+`[L, 1, out]` scales, sliced per layer by the scan). `Dense` is unchanged: its `kernel[...].astype(x.dtype)`
+dequantizes (`qwix.dequantize`, qvalue · scale in float32) and rounds once to the compute dtype, and XLA
+fuses that into the matmul's operand (TPU) or hoists it out of the decode loop (CPU, docs/benchmarks.md).
+
+Why not qwix's own quantized einsum (the `PtqProvider` intercepting `jnp.einsum`): it dequantizes in the
+scale's dtype, and casting its QArray to bfloat16 casts the scale — every output channel's weights then
+share one rounding error of up to 2⁻⁹. That systematic error moved every 16-bit code of the 408M benchmark
+config by ~6 levels against bfloat16 (all of them; mean −6.0); dequantizing in float32 and rounding each
+weight once moved 45 % of them, by at most 2 (mean −0.35), float32 against bfloat16 itself moving 19 %
+(measured 2026-12-02, docs/benchmarks.md). The matmul is the same weight-only one either way.
+
+Int8 params are for generation: training refuses them (`refuse_training`).
 """
 from __future__ import annotations
 
@@ -37,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-from qwix._src import interception
 from qwix._src.core.qarray import HowToQuantize
 from qwix._src.providers.ptq import WithAux
 from qwix._src.utils.flax_util import unbox, update_boxed
@@ -47,8 +55,7 @@ from .layers import Dense
 from .model import PrismaVLModule
 
 MODES = ("int8",)
-QUANTIZED = r"text/layers/(attn/[qkvo]_proj|mlp/(gate|up|down)_proj)|lm_head"   # module paths (qwix rule)
-PROVIDER = qwix.PtqProvider([qwix.QuantizationRule(module_path=QUANTIZED, weight_qtype=jnp.int8)])
+QUANTIZED = r"text/layers/(attn/[qkvo]_proj|mlp/(gate|up|down)_proj)|lm_head"   # module paths, "/"-joined
 
 
 def check_mode(quantize) -> str | None:
@@ -87,48 +94,28 @@ def _quantized_paths(module: nnx.Module):
 
 @flax.struct.dataclass
 class QuantizedKernel(WithAux):
-    """qwix's `WithAux[QArray]` (the PTQ weight qwix's einsum takes as is) with an `astype` that works on it:
-    `Dense` computes `kernel[...].astype(x.dtype)`, and qwix 0.1.8's `WithAux.astype` handles only a boxed
-    float array. Casting a QArray casts its scale, i.e. the dtype it dequantizes to (`QArray.astype`)."""
+    """An int8 kernel: qwix's PTQ weight, `WithAux[QArray]` (what `qwix.quantize_params` fills in), whose
+    `astype` — `Dense` computes `kernel[...].astype(x.dtype)` — dequantizes in float32 (`qwix.dequantize`)
+    and rounds each weight once to `dtype` (the module docstring says why not by casting the scale)."""
 
     def astype(self, dtype):
-        return self.replace(array=unbox(self.array).astype(dtype))
+        return qwix.dequantize(unbox(self.array)).astype(dtype)
 
 
 nnx.register_data_type(QuantizedKernel)
 
 
-def _intercepted(method):
-    """`method` run under PROVIDER's interception (qwix's own wrapper; nested calls pass straight through)."""
-    for get in PROVIDER.get_interceptors():
-        method = interception.wrap_func_intercepted(method, get, disable_jit=PROVIDER.disable_jit)
-    return method
-
-
-class QuantizedPrismaVLModule(PrismaVLModule):
-    """`PrismaVLModule` whose entry methods run under qwix's PTQ interception (as `qwix.quantize_model`
-    intercepts a module's `__call__`; here every method the functional entry points call)."""
-
-
-for _name in ("__call__", "embed", "hidden", "head"):
-    setattr(QuantizedPrismaVLModule, _name, _intercepted(getattr(PrismaVLModule, _name)))
-
-
 @functools.lru_cache(maxsize=16)
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state) of the int8 model: `model.abstract_model` with each quantized kernel a
-    `WithAux[QArray]` (int8 qvalue, float32 scale; logical axes kept, a size-1 scale axis unsharded), every
-    module carrying its `qwix_path`, the class `QuantizedPrismaVLModule`."""
+    `QuantizedKernel` (int8 qvalue, float32 scale; logical axes kept, a size-1 scale axis unsharded)."""
     def build():
         model = PrismaVLModule(cfg, rngs=nnx.Rngs(0))
-        for path, sub in nnx.iter_modules(model):
-            sub.qwix_path = path
         for _, dense in _quantized_paths(model):
             how = _how(dense.kernel.ndim)
             q = QuantizedKernel(qwix.quantize(dense.kernel[...], jnp.int8, channelwise_axes=how.channelwise_axes,
-                                      scale_dtype=jnp.float32), how)
+                                              scale_dtype=jnp.float32), how)
             dense.kernel = jax.tree.map(lambda v, p=dense.kernel: update_boxed(p, value=v), q)
-        model.__class__ = QuantizedPrismaVLModule
         return model
     return nnx.split(nnx.eval_shape(build))
 
@@ -163,18 +150,6 @@ def _quantize_program(cfg: ModelConfig, path: tuple, mesh):
         out_shardings = jax.tree.map(lambda a: a.sharding, leaf)
     return jax.jit(lambda w: qwix.quantize_params({"kernel": w.astype(jnp.float32)}, dense)["kernel"],
                    out_shardings=out_shardings)
-
-
-def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
-    """The float params an int8 dict stands for: qvalue · scale for each quantized kernel (reference, tests)."""
-    def walk(node):
-        if isinstance(node, dict) and set(node) == {"array"} and "qvalue" in node["array"]:
-            a = node["array"]
-            return (a["qvalue"].astype(jnp.float32) * a["scale"]).astype(dtype)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        return node
-    return walk(params)
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, mesh=None) -> dict:

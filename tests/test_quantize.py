@@ -117,6 +117,12 @@ def test_logits_close_to_float_and_equal_the_dequantized_model(models):
     # weight-only: the int8 model computes what the float model computes with the dequantized weights
     deq = PrismaVL(f.config, jax.tree.map(jnp.asarray, _dequantized(f.params, q.params)))
     np.testing.assert_allclose(zq, np.asarray(deq.forward(*batch)), atol=1e-5, rtol=0)
+    # in bfloat16, each weight is dequantized in float32 and rounded once (not through a bfloat16 scale)
+    fb = PrismaVL(f.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), f.params))
+    qb = fb.quantize("int8")
+    ref = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), _dequantized(fb.params, qb.params))
+    np.testing.assert_array_equal(np.asarray(qb.forward(*batch), np.float32),
+                                  np.asarray(PrismaVL(f.config, ref).forward(*batch), np.float32))
 
 
 def _dequantized(float_params, qparams):
