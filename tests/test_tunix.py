@@ -21,7 +21,7 @@ from prisma_jax.uncertainty import codes_from_logits, prompt_codes, shift_codes
 PAD, EOS = 0, 1
 GRID = (1, 4, 6)
 STEPS = 8
-LR = float(__import__("os").environ.get("LR", "1e-2"))
+LR = 1e-2
 
 
 class IntTokenizer:
@@ -139,6 +139,10 @@ def test_peft_trainer_trains_only_adapters_and_table(prisma):
     model = PrismaTunix.from_prisma(prisma, lora=spec, seed=1)
     before = {p: np.array(x) for p, x in flatten(to_params(model.model))}
     ids, loss_mask = _sft_batch()
+    gen = model_input_fn(PAD)(tunix.sft.peft_trainer.TrainingInput(input_tokens=ids, input_mask=loss_mask))
+    # Tunix's own default loss runs on the wrapper too: one pass, the prompt rule (introspection_passes=1)
+    one = PrismaTunix.from_prisma(prisma, introspection_passes=1)
+    assert abs(float(tunix.sft.peft_trainer._default_loss_fn(one, **gen)) - float(loss_fn(one, **gen))) < 1e-6
     trainer = tunix.PeftTrainer(model, optax.adam(LR), tunix.TrainingConfig(eval_every_n_steps=1000, max_steps=16))
     trainer = trainer.with_loss_fn(loss_fn).with_gen_model_input_fn(model_input_fn(PAD))
     trainer.train([tunix.sft.peft_trainer.TrainingInput(input_tokens=ids, input_mask=loss_mask)] * 16)
@@ -162,7 +166,6 @@ def test_peft_trainer_trains_only_adapters_and_table(prisma):
     # what Tunix trained is our LoRA: the merged params (lora.merge) give the wrapper's logits
     params = to_params(model.model)
     merged = PrismaVL(prisma.config, jax.tree.map(jnp.asarray, merge(params, spec)))
-    gen = model_input_fn(PAD)(tunix.sft.peft_trainer.TrainingInput(input_tokens=ids, input_mask=loss_mask))
     logits, _ = model(gen["input_tokens"], gen["positions"], None, gen["attention_mask"])
     real = ids != PAD                                                      # padding rows' masks differ
     np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(merged.forward(ids, real))[real], atol=1e-5)
