@@ -90,17 +90,17 @@ class PrismaVLModule(nnx.Module):
         x = jnp.where(is_img[..., None], image_features(merged, index).astype(x.dtype), x)
         return constrain(x, ("batch", "seq", "embed")), DeepStack(deep, index, is_img)
 
-    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None):
+    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None, mask=None):
         """Final-normed hidden states [B, S, D] and the updated cache.
 
         Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
-        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens."""
+        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens. `mask [B, S, S_k]`
+        (True = may attend) replaces the causal mask built from those (prisma_jax/tunix.py: Tunix brings its own)."""
         x, ds = self.embed(batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
                            remat=remat_policy is not None)
         cos, sin = mrope_cos_sin(self.cfg, batch.positions, x.dtype)
-        if key_valid is None:
-            key_valid = batch.attention_mask
-        mask = attention_mask(key_valid, write_pos, x.shape[1])
+        if mask is None:
+            mask = attention_mask(batch.attention_mask if key_valid is None else key_valid, write_pos, x.shape[1])
         return self.text(x, cos, sin, mask, cache, write_pos, ds, remat_policy)
 
     def head(self, h: jax.Array) -> jax.Array:
