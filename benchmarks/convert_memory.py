@@ -91,8 +91,8 @@ def leaf_values(cfg, trained: bool = False):
     of the leaf (r: its position over all axes but the last) is pool[(7919·r + crc32(path) + c) mod POOL] of a
     pool of N(0, 0.02²) draws, so any region can be made, and checked, on its own and the same whatever the
     chunking. The draws are rounded to bfloat16 (a step-0 checkpoint initialised from the bf16 release: zstd
-    halves them on disk), or with `trained` kept in full float32 (a trained run's master weights: zstd cannot
-    shrink them, so each chunk is read at its full size)."""
+    stores them in about 40 % of their size), or with `trained` kept in full float32 (a trained run's master
+    weights, with random low mantissa bits: about 60 %, so more of each chunk is read)."""
     from prisma_jax.params import flatten, param_shapes
 
     shapes = dict(flatten(param_shapes(cfg)))
@@ -300,7 +300,7 @@ def main():
     ap.add_argument("--train", action="store_true", help="also measure train-to-hf (≈ 6 × the bf16 size on disk)")
     ap.add_argument("--train-only", action="store_true", help="measure train-to-hf alone (implies --train)")
     ap.add_argument("--trained", action="store_true",
-                    help="train-to-hf on full float32 values (a trained run's; incompressible) instead of bf16-valued")
+                    help="train-to-hf on full float32 values (a trained run's) instead of bf16-rounded ones")
     args = ap.parse_args()
     full = load_config(os.path.join(ROOT, "configs", "prisma_vl_8b.yaml"))
     if args.full:
