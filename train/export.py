@@ -31,7 +31,7 @@ from conversion import orbax_layout as L
 from conversion.orbax_to_hf import MAX_SHARD_BYTES
 from conversion.staging import Staging, check_destination, copy_side_files
 from prisma_jax.config import ModelConfig, config_from_dict, config_to_hf
-from prisma_jax.params import get_path, hf_names
+from prisma_jax.params import get_path, hf_names, set_path
 from prisma_jax.safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, PieceWriter, plan_shards
 
 REGION_BYTES = 256 << 20   # the most read at once, unless one storage chunk is larger

@@ -87,7 +87,11 @@ def _restore_data(mngr: ocp.CheckpointManager, step: int, iterator) -> None:
     names = os.listdir(directory) if os.path.isdir(directory) else []
     if f"process_{i}-of-{n}.json" not in names:
         if n == 1 and "metadata" in names:   # saved before per-process states: the JSON item of one process
-            iterator.set_state(mngr.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"])
+            old = ocp.CheckpointManager(mngr.directory, item_names=("data",))   # keeps `mngr`'s grain handler
+            try:
+                iterator.set_state(old.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"])
+            finally:
+                old.close()
             return
         saved = sorted({int(m.group(1)) for m in map(re.compile(r"process_\d+-of-(\d+)\.json$").match, names) if m})
         raise ValueError(f"{mngr.directory}: the data state of step {step} was saved by "
