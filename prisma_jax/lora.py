@@ -50,6 +50,11 @@ class LoraSpec:
         return self if name in self.targets else None
 
 
+def adapter(spec: "LoraSpec | None", name: str) -> "LoraSpec | None":
+    """The adapter spec of the dense module `name` (None: no LoRA, or not a target)."""
+    return None if spec is None else spec.for_module(name)
+
+
 def is_adapter(path: tuple[str, ...]) -> bool:
     return "lora" in path
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from .config import TextConfig
 from .layers import Dense, Embed, RMSNorm, apply_rope, attention, layer_slices, stacked, unstack
+from .lora import adapter
 from .sharding import CACHE_AXES, constrain
 
 
@@ -41,13 +42,12 @@ def image_features(features: jax.Array, index: jax.Array) -> jax.Array:
 
 class TextAttention(nnx.Module):
     def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
-        ad = lora.for_module if lora is not None else (lambda name: None)
         d, hd, h, kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.cfg = cfg
-        self.q_proj = Dense(d, h * hd, ("hidden", "heads"), bias=False, lora=ad("q_proj"), rngs=rngs)
-        self.k_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=ad("k_proj"), rngs=rngs)
-        self.v_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=ad("v_proj"), rngs=rngs)
-        self.o_proj = Dense(h * hd, d, ("heads", "hidden"), bias=False, lora=ad("o_proj"), rngs=rngs)
+        self.q_proj = Dense(d, h * hd, ("hidden", "heads"), bias=False, lora=adapter(lora, "q_proj"), rngs=rngs)
+        self.k_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=adapter(lora, "k_proj"), rngs=rngs)
+        self.v_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=adapter(lora, "v_proj"), rngs=rngs)
+        self.o_proj = Dense(h * hd, d, ("heads", "hidden"), bias=False, lora=adapter(lora, "o_proj"), rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs)
 
@@ -68,11 +68,10 @@ class TextAttention(nnx.Module):
 
 class TextMLP(nnx.Module):
     def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
-        ad = lora.for_module if lora is not None else (lambda name: None)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, ("hidden", "mlp"), bias=False, lora=ad("gate_proj"), rngs=rngs)
-        self.up_proj = Dense(d, f, ("hidden", "mlp"), bias=False, lora=ad("up_proj"), rngs=rngs)
-        self.down_proj = Dense(f, d, ("mlp", "hidden"), bias=False, lora=ad("down_proj"), rngs=rngs)
+        self.gate_proj = Dense(d, f, ("hidden", "mlp"), bias=False, lora=adapter(lora, "gate_proj"), rngs=rngs)
+        self.up_proj = Dense(d, f, ("hidden", "mlp"), bias=False, lora=adapter(lora, "up_proj"), rngs=rngs)
+        self.down_proj = Dense(f, d, ("mlp", "hidden"), bias=False, lora=adapter(lora, "down_proj"), rngs=rngs)
 
     def __call__(self, h):
         return self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))

@@ -16,6 +16,7 @@ from flax import nnx
 
 from .config import VisionConfig
 from .layers import Dense, Embed, LayerNorm, apply_rope, attention, layer_slices, stacked, torch_inv_freq
+from .lora import adapter
 
 
 @jax.tree_util.register_dataclass
@@ -90,11 +91,10 @@ def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
 
 class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
-        ad = lora.for_module if lora is not None else (lambda name: None)
         d = cfg.hidden_size
         self.cfg = cfg
-        self.qkv = Dense(d, 3 * d, ("hidden", "mlp"), lora=ad("qkv"), rngs=rngs)
-        self.proj = Dense(d, d, ("mlp", "hidden"), lora=ad("proj"), rngs=rngs)
+        self.qkv = Dense(d, 3 * d, ("hidden", "mlp"), lora=adapter(lora, "qkv"), rngs=rngs)
+        self.proj = Dense(d, d, ("mlp", "hidden"), lora=adapter(lora, "proj"), rngs=rngs)
 
     def __call__(self, h, cos, sin, mask):
         cfg = self.cfg
@@ -113,9 +113,9 @@ class VisionAttention(nnx.Module):
 
 class VisionMLP(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
-        ad = lora.for_module if lora is not None else (lambda name: None)
-        self.fc1 = Dense(cfg.hidden_size, cfg.intermediate_size, ("hidden", "mlp"), lora=ad("fc1"), rngs=rngs)
-        self.fc2 = Dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "hidden"), lora=ad("fc2"), rngs=rngs)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.fc1 = Dense(d, f, ("hidden", "mlp"), lora=adapter(lora, "fc1"), rngs=rngs)
+        self.fc2 = Dense(f, d, ("mlp", "hidden"), lora=adapter(lora, "fc2"), rngs=rngs)
 
     def __call__(self, h):
         return self.fc2(jax.nn.gelu(self.fc1(h), approximate=True))
