@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second")
     ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--steps", type=int, nargs="+", default=[8], help="K; several: one serve run each")
+    ap.add_argument("--steps", type=int, nargs="+", default=[4], help="K; several: one serve run each")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a small config, to check the script runs")

@@ -156,3 +156,14 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(ckpt):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.parametrize("argv,message", [(["--slots", "0"], "--slots must be ≥ 1"),
+                                          (["--max-len", "0"], "--max-len must be ≥ 1"),
+                                          (["--image-root", "/no/such/dir"], "not a directory")])
+def test_serve_cli_bad_arguments_are_one_line(ckpt, capsys, argv, message):
+    from prisma_jax.cli import main
+
+    assert main(["serve", "--model", ckpt[0], *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("prisma serve: error:") and message in err and "\n" not in err

@@ -32,7 +32,7 @@ from .. import generate as G
 from ..text import split_layers
 from . import slots as S
 
-DEFAULT_STEPS = 8          # K: decode steps per host round trip (docs/benchmarks.md, "prisma serve")
+DEFAULT_STEPS = 4          # K: decode steps per host round trip (docs/benchmarks.md, "Serving")
 WINDOW_FLOOR = 64          # smallest attention window of a round (a power of two)
 
 
