@@ -144,25 +144,24 @@ def hf_runner(hf, ids):
 def mechanism_ops_s(cfg, params, b: int, calls: int = 200) -> float:
     """Best time of the mechanism's own per-step work at batch b, jitted alone: the entropy and uint16 code of
     `[b, V]` float32 logits (uncertainty.py, §2) plus the table rows gathered and added to `[b, 1, D]` token
-    embeddings (§3, `inject`)."""
+    embeddings (§3, `Uncertainty.__call__`)."""
     import jax
     import jax.numpy as jnp
 
-    from prisma_jax.uncertainty import codes_from_logits, inject
+    from prisma_jax.model import bind
+    from prisma_jax.uncertainty import codes_from_logits
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(b, cfg.text.vocab_size)).astype(np.float32) * 3)
     emb = jnp.asarray(rng.normal(size=(b, 1, cfg.text.hidden_size)).astype(np.float32))
     ids = jnp.asarray(rng.integers(0, 1000, (b, 1)), jnp.int32)
     codes = jnp.asarray(rng.integers(0, cfg.n_levels, (b, 1)), jnp.int32)
-    table = params["uncertainty"]["embedding"]
-
     @jax.jit
-    def f(logits, emb, table, ids, codes):
-        return codes_from_logits(logits, cfg.n_bits), inject(emb, table, ids, codes, (cfg.image_token_id,))
-    jax.block_until_ready(f(logits, emb, table, ids, codes))
+    def f(logits, emb, params, ids, codes):
+        return codes_from_logits(logits, cfg.n_bits), bind(cfg, params).uncertainty(emb, ids, codes)
+    jax.block_until_ready(f(logits, emb, params, ids, codes))
     best = float("inf")
     for _ in range(calls):
-        best = min(best, _timed(lambda: jax.block_until_ready(f(logits, emb, table, ids, codes))))
+        best = min(best, _timed(lambda: jax.block_until_ready(f(logits, emb, params, ids, codes))))
     return best
 
 

@@ -40,6 +40,8 @@ def add_parser(subparsers) -> None:
     c.add_argument("--pad-token-id", type=int, default=None)
     c.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; one file if it all fits)")
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("--merge-lora", action="store_true", help="a LoRA run: its adapters folded into its base")
+    c.add_argument("--lora-adapters", action="store_true", help="a LoRA run: the adapters alone, in peft's layout")
     c.set_defaults(func=_train_to_hf)
 
 
@@ -67,6 +69,6 @@ def _orbax_to_hf(args) -> int:
 def _train_to_hf(args) -> int:
     from train.export import export
     step = export(args.workdir, args.dst, args.step, args.processor, args.eos_token_id, args.pad_token_id,
-                  args.overwrite, parse_bytes(args.max_shard_size))
+                  args.overwrite, parse_bytes(args.max_shard_size), args.merge_lora, args.lora_adapters)
     print(f"wrote {args.dst}: the params of step {step} of {args.workdir}")
     return 0

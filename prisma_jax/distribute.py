@@ -39,7 +39,8 @@ def _read(ck: Checkpoint, n: PM.HFName, idx: tuple, dtype) -> np.ndarray:
 
 def load_hf_sharded(directory: str, mesh: Mesh, dtype="float32", uncertainty_init: str = "zeros",
                     seed: int = 0) -> tuple[dict, ModelConfig]:
-    """`loading.load_hf`, but each leaf is born sharded on `mesh` (the logical axes its module declares, sharding.param_axes).
+    """`loading.load_hf`, but each leaf is born sharded on `mesh` (by the logical axes its module declares:
+    sharding.param_axes).
 
     A plain Qwen3-VL checkpoint gets `uncertainty.fresh_table(seed)` — the same table as `load_hf` — created in
     its sharding, so no device or host holds it whole.

@@ -100,12 +100,11 @@ def _choose(cfg: ModelConfig, spec: Spec, logits, prev_code, sp: SamplingParams,
     return tok, code, h
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos, sp: SamplingParams,
-            eos, pad_id, rng) -> DecodeState:
-    """Whole prompt [B, P] (vision included) into a fresh cache of P + T slots; draws the first token."""
+def prompt_pass(cfg: ModelConfig, params: dict, batch: M.Batch, t: int):
+    """The prompt [B, P] (vision included) through the model into a fresh cache of P + t slots (traced inside
+    a caller's jit). Returns (cache, key_valid [B, P + t], the last position's logits [B, V], and the code the
+    first generated token is drawn under: the last prompt token's incoming code, or N, as uint16 [B])."""
     b, p = batch.input_ids.shape
-    t = spec.new_bucket
     tc = cfg.text
     dtype = params["text"]["embed"]["embedding"].dtype
     shape = (tc.num_hidden_layers, b, p + t, tc.num_key_value_heads, tc.head_dim)
@@ -116,6 +115,16 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     logits = model.head(h[:, -1])                                                 # [B, V]
     last_in = batch.codes[:, -1]                                  # incoming code of the last prompt token
     prev = jnp.where(last_in >= 0, last_in, cfg.neutral_code).astype(jnp.uint16)
+    return cache, key_valid, logits, prev
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos, sp: SamplingParams,
+            eos, pad_id, rng) -> DecodeState:
+    """Whole prompt [B, P] (vision included) into a fresh cache of P + T slots; draws the first token."""
+    b = batch.input_ids.shape[0]
+    t = spec.new_bucket
+    cache, key_valid, logits, prev = prompt_pass(cfg, params, batch, t)
     rng, key = jax.random.split(rng)
     tok, code, ent = _choose(cfg, spec, logits, prev, sp, key)
     done = jnp.isin(tok, eos)

@@ -45,29 +45,45 @@ def layer_slices(stack: nnx.Module, start: int = 0, stop: int | None = None):
     return graphdef, state
 
 
-def unstack(stack: nnx.Module) -> nnx.List:
-    """The stacked layers as a list of per-layer modules (each a slice of the stack)."""
+def unstack(stack: nnx.Module, params: list | None = None) -> nnx.List:
+    """The stacked layers as a list of per-layer modules: each a slice of the stack, or holding `params[i]`
+    (per-layer arrays, in the layout of one layer's pure dict) when given."""
     graphdef, state = nnx.split(stack)
     n = jax.tree.leaves(state)[0].shape[0]
-    return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(n)])
+    out = []
+    for i in range(n):
+        st = jax.tree.map(lambda a, i=i: a[i], state)
+        if params is not None:
+            nnx.replace_by_pure_dict(st, params[i])        # the slice above is then dead code
+        out.append(nnx.merge(graphdef, st))
+    return nnx.List(out)
 
 
 class Dense(nnx.Module):
-    """y = x·kernel (+ bias); kernel [in, out], computed in x's dtype."""
+    """y = x·kernel (+ bias) (+ scale · LoRA(x) with `lora`, lora.py); kernel [in, out], computed in x's dtype."""
 
-    def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool = True, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool = True, lora=None, rngs: nnx.Rngs):
         self.kernel = param(normal, rngs.params(), (d_in, d_out), axes)
         self.bias = param(zeros, rngs.params(), (d_out,), (None,)) if bias else None
+        self.lora_scale = None if lora is None else float(lora.scale)
+        self.lora = None if lora is None else nnx.LoRA(
+            d_in, lora.rank, d_out, rngs=rngs, dtype=None,
+            a_metadata={"out_sharding": (axes[0], None), "eager_sharding": False},
+            b_metadata={"out_sharding": (None, axes[1]), "eager_sharding": False})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
+        if self.lora is not None:
+            a, b = self.lora.lora_a[...].astype(x.dtype), self.lora.lora_b[...].astype(x.dtype)
+            low = jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", x, a), b)
+            y = y + low * jnp.asarray(self.lora_scale, x.dtype)
         return y
 
 
 class Embed(nnx.Module):
-    """A lookup table [rows, dim]; `lookup` never gathers a row-sharded table (sharding.take_rows)."""
+    """A lookup table [rows, dim]; a lookup never gathers a row-sharded table (sharding.take_rows)."""
 
     def __init__(self, rows: int, dim: int, axes: tuple, *, rngs: nnx.Rngs, init=normal):
         self.axes = tuple(axes)

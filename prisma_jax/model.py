@@ -51,12 +51,13 @@ def attention_mask(key_valid: jax.Array, write_pos, n_query: int) -> jax.Array:
 
 class PrismaVLModule(nnx.Module):
     """Qwen3-VL + the uncertainty table. `rngs`: `nnx.Rngs(params=key, table=seed)` draws the table as
-    `uncertainty.fresh_table(seed)`; `uncertainty_init="zeros"` gives plain Qwen3-VL."""
+    `uncertainty.fresh_table(seed)`; `uncertainty_init="zeros"` gives plain Qwen3-VL. `lora`: a
+    `lora.LoraSpec` adds adapters to its target modules."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, uncertainty_init: str = "normal"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, uncertainty_init: str = "normal", lora=None):
         self.cfg = cfg
-        self.vision = VisionTower(cfg.vision, rngs=rngs)
-        self.text = TextModel(cfg.text, rngs=rngs)
+        self.vision = VisionTower(cfg.vision, lora=lora, rngs=rngs)
+        self.text = TextModel(cfg.text, lora=lora, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Dense(cfg.text.hidden_size, cfg.text.vocab_size, ("hidden", "vocab"), bias=False, rngs=rngs))
         self.uncertainty = Uncertainty(cfg.n_levels, cfg.text.hidden_size, (cfg.image_token_id, cfg.video_token_id),
@@ -89,17 +90,17 @@ class PrismaVLModule(nnx.Module):
         x = jnp.where(is_img[..., None], image_features(merged, index).astype(x.dtype), x)
         return constrain(x, ("batch", "seq", "embed")), DeepStack(deep, index, is_img)
 
-    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None):
+    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None, mask=None):
         """Final-normed hidden states [B, S, D] and the updated cache.
 
         Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
-        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens."""
+        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens. `mask [B, S, S_k]`
+        (True = may attend) replaces the causal mask built from those (prisma_jax/tunix.py: Tunix brings its own)."""
         x, ds = self.embed(batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
                            remat=remat_policy is not None)
         cos, sin = mrope_cos_sin(self.cfg, batch.positions, x.dtype)
-        if key_valid is None:
-            key_valid = batch.attention_mask
-        mask = attention_mask(key_valid, write_pos, x.shape[1])
+        if mask is None:
+            mask = attention_mask(batch.attention_mask if key_valid is None else key_valid, write_pos, x.shape[1])
         return self.text(x, cos, sin, mask, cache, write_pos, ds, remat_policy)
 
     def head(self, h: jax.Array) -> jax.Array:
@@ -129,17 +130,20 @@ class PrismaVLModule(nnx.Module):
 # ---------------------------------------------------------------------------------------------- functional API
 
 @functools.lru_cache(maxsize=16)
-def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, lora=None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract param state) of the model: shapes, dtypes and sharding metadata, no weights."""
-    return nnx.split(nnx.eval_shape(lambda: PrismaVLModule(cfg, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: PrismaVLModule(cfg, rngs=nnx.Rngs(0), lora=lora)))
 
 
-def bind(cfg: ModelConfig, params: dict) -> PrismaVLModule:
-    """The module holding `params` (a plain dict in the params.py layout, or its int8 form: quantize.py), to
-    call inside a trace."""
+def bind(cfg: ModelConfig, params: dict, lora=None) -> PrismaVLModule:
+    """The module holding `params` (a plain dict in the params.py layout; with `lora`, its adapters too; or its
+    int8 form: quantize.py), to call inside a trace."""
     from . import quantize
 
-    graphdef, state = (quantize.abstract_model if quantize.is_quantized(params) else abstract_model)(cfg)
+    if quantize.is_quantized(params):
+        graphdef, state = quantize.abstract_model(cfg)
+    else:
+        graphdef, state = abstract_model(cfg, lora)
     state = jax.tree.map(lambda x: x, state)                      # fresh Variables; the cached state stays
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

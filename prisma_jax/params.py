@@ -33,22 +33,23 @@ Path = tuple[str, ...]
 TABLE_PATH: Path = ("uncertainty", "embedding")
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The pytree of shapes (tuples of ints), read off the abstract module."""
+def param_shapes(cfg: ModelConfig, lora=None) -> dict:
+    """The pytree of shapes (tuples of ints), read off the abstract module (with `lora`: its adapters too)."""
     from flax import nnx
 
     from .model import abstract_model
 
-    return jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(abstract_model(cfg)[1]))
+    return jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(abstract_model(cfg, lora)[1]))
 
 
 def _is_shape(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, lora=None) -> dict:
     """`jax.ShapeDtypeStruct` leaves: the 8B model without a byte of weights."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), param_shapes(cfg), is_leaf=_is_shape)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), param_shapes(cfg, lora),
+                        is_leaf=_is_shape)
 
 
 def flatten(tree: dict, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
@@ -79,16 +80,18 @@ def _leaf_init(path: Path, uncertainty_init: str) -> str:
     return "normal"
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, uncertainty_init: str = "normal") -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, uncertainty_init: str = "normal",
+                lora=None) -> dict:
     """Random parameters of `model.PrismaVLModule` as a plain dict (traceable: jit it, e.g. with
     `out_shardings`): its `nnx.initializers` (normal(0, 0.02) matrices, ones for norm scales, zeros for biases)
     drawn from `key`, and the table of docs/introspection-contract.md §1 drawn from `key` itself
-    (`uncertainty.fresh_table(seed)` for `key = jax.random.key(seed)`), or zeros."""
+    (`uncertainty.fresh_table(seed)` for `key = jax.random.key(seed)`), or zeros. `lora`: with adapters."""
     from flax import nnx
 
     from .model import PrismaVLModule, to_params
 
-    params = to_params(PrismaVLModule(cfg, rngs=nnx.Rngs(params=key, table=key), uncertainty_init=uncertainty_init))
+    params = to_params(PrismaVLModule(cfg, rngs=nnx.Rngs(params=key, table=key), uncertainty_init=uncertainty_init,
+                                      lora=lora))
     return jax.tree.map(lambda x: x.astype(dtype), params)
 
 

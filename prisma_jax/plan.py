@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from . import model as M
 from .config import ModelConfig, read_yaml
 from .sharding import (PRESETS, Preset, abstract_sharded_params, batch_shards, make_mesh, opt_state_shardings,
-                       param_shardings, preset, spec_for, CACHE_AXES)
+                       preset, spec_for, CACHE_AXES)
 
 GiB = 2**30
 PEAK_BF16_TFLOPS = {"v5e": 197.0, "v5p": 459.0, "v4": 275.0}   # per chip, vendor figures
@@ -139,8 +139,9 @@ def train_config(path: str, batch: int | None, seq: int | None, overrides=(), im
     `images` / `image_size` data.max_images / data.image_size."""
     from train.config import apply_overrides, config_from_raw
 
-    raw = apply_overrides(read_yaml(path), list(overrides))
-    if "train" not in raw:
+    own = read_yaml(path)
+    raw = apply_overrides(own, list(overrides))
+    if "train" not in own:                        # a model-only YAML (overrides such as train.lora keep it one)
         data = dict(raw.get("data") or {})
         data.setdefault("max_images", PLAN_IMAGES)
         data.setdefault("image_size", PLAN_IMAGE_SIZE)
@@ -178,17 +179,23 @@ def image_tokens(tcfg) -> int:
 
 
 def abstract_train_state(tcfg, mesh: Mesh):
-    """The training state as sharded `ShapeDtypeStruct`s: float32 master weights, AdamW state sharded like
-    the params, replicated step and RNG."""
-    from train.step import TrainState, make_optimizer
+    """(the training state as sharded `ShapeDtypeStruct`s: float32 master weights, AdamW state sharded like
+    the params, replicated step and RNG; with `train.lora` the trained leaves only, and the frozen base in the
+    compute dtype, else None)."""
+    from train.step import TrainState, is_trained, make_optimizer, partition
 
     rep = NamedSharding(mesh, P())
-    params = abstract_sharded_params(tcfg.model, mesh, jnp.float32)
+    params = abstract_sharded_params(tcfg.model, mesh, jnp.float32, tcfg.train.lora)
+    base = None
+    if tcfg.train.lora is not None:
+        params, base = partition(params, lambda p: is_trained(tcfg, p))
+        dt = jnp.dtype(tcfg.train.compute_dtype)
+        base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dt, sharding=a.sharding), base)
     opt_shapes = jax.eval_shape(make_optimizer(tcfg, params).init, params)
-    opt_sh = opt_state_shardings(opt_shapes, param_shardings(tcfg.model, mesh), mesh)
+    opt_sh = opt_state_shardings(opt_shapes, jax.tree.map(lambda a: a.sharding, params), mesh)
     opt_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
     return TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), params, opt_abs,
-                      jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+                      jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)), base
 
 
 def abstract_train_batch(tcfg, mesh: Mesh):
@@ -221,13 +228,13 @@ def lower_train(tcfg, mesh: Mesh):
     state donated."""
     from train.step import make_train_step
 
-    state = abstract_train_state(tcfg, mesh)
+    state, base = abstract_train_state(tcfg, mesh)
     batch = abstract_train_batch(tcfg, mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     fn = jax.jit(make_train_step(tcfg, state.params), donate_argnums=0,
                  out_shardings=(state_sh, NamedSharding(mesh, P())))
     with jax.set_mesh(mesh):
-        return fn.lower(state, batch)
+        return fn.lower(state, batch, *([] if base is None else [base]))
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -384,7 +391,7 @@ def search_train_batch(make_cfg, p: Preset, devices, seq: int, min_seq: int = 51
 
     unit = mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = make_cfg(unit, seq)
-    state = bytes_per_device(abstract_train_state(cfg, mesh))
+    state = bytes_per_device(abstract_train_state(cfg, mesh))     # trained state and frozen base
     if p.hbm_gib is not None and state > p.hbm_gib * GiB:     # no compile can fit: say why without one
         return 0, {**_train_plan_head(cfg, mesh), "memory": None, "fits": False, "seconds": 0.0,
                    "oom": f"the float32 weights + AdamW state alone are {_gib(state)} a device"}

@@ -171,10 +171,8 @@ def write_file(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: d
     write_streaming(path, [(k, a.shape, a.dtype) for k, a in tensors.items()], lambda k: [tensors[k]], metadata)
 
 
-def write_streaming(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]],
-                    blocks: Callable[[str], Iterable[np.ndarray]], metadata: dict | None = None) -> None:
-    """Write one .safetensors file whose tensors arrive in pieces: `blocks(name)` yields C-order consecutive
-    row blocks of that tensor (so no whole tensor, let alone a whole shard, needs to be in memory)."""
+def _header(specs: list[tuple[str, tuple[int, ...], np.dtype]], metadata: dict | None) -> tuple[dict, bytes]:
+    """(header dict, the encoded header: 8-byte length + JSON padded to 8 bytes) of a file holding `specs`."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     off = 0
     for name, shape, dt in specs:
@@ -183,8 +181,15 @@ def write_streaming(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]
         off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    return header, struct.pack("<Q", len(blob)) + blob
+
+
+def write_streaming(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]],
+                    blocks: Callable[[str], Iterable[np.ndarray]], metadata: dict | None = None) -> None:
+    """Write one .safetensors file whose tensors arrive in pieces: `blocks(name)` yields C-order consecutive
+    row blocks of that tensor (so no whole tensor, let alone a whole shard, needs to be in memory)."""
+    header, blob = _header(specs, metadata)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, shape, dt in specs:
             want, got = header[name]["data_offsets"][1] - header[name]["data_offsets"][0], 0
@@ -194,6 +199,53 @@ def write_streaming(path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]
                 got += a.nbytes
             if got != want:
                 raise ValueError(f"{path}: tensor {name!r} produced {got} bytes, expected {want}")
+
+
+class PieceWriter:
+    """One .safetensors file whose tensors arrive in pieces in any order, written in place (the same bytes
+    `write_streaming` writes): `put(name, block, index)` places `block` at `index` (a tuple of slices, one per
+    axis) of tensor `name`; `close()` checks that every tensor received exactly its size in bytes. A piece that
+    spans whole rows (every axis after the first in full) is one `pwrite`; any other goes through a mapping of
+    its rows only, so what the process holds is the piece and its rows, never the tensor."""
+
+    def __init__(self, path: str, specs: list[tuple[str, tuple[int, ...], np.dtype]], metadata: dict | None = None):
+        header, blob = _header(specs, metadata)
+        self.path = path
+        self.tensors = {name: (tuple(shape), np.dtype(dt), len(blob) + header[name]["data_offsets"][0])
+                        for name, shape, dt in specs}
+        self.filled = dict.fromkeys(self.tensors, 0)
+        self.f = open(path, "wb+")
+        self.f.write(blob)
+        self.f.truncate(len(blob) + sum(h["data_offsets"][1] - h["data_offsets"][0]
+                                        for k, h in header.items() if k != "__metadata__"))
+
+    def put(self, name: str, block: np.ndarray, index: tuple) -> None:
+        shape, dt, off = self.tensors[name]
+        block = np.ascontiguousarray(block, dtype=dt)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        ranges = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+        if tuple(b - a for a, b in ranges) != block.shape:
+            raise ValueError(f"{self.path}: tensor {name!r}: a block of shape {block.shape} at {ranges}")
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
+        if not shape or all(a == 0 and b == n for (a, b), n in zip(ranges[1:], shape[1:])):
+            data, at = memoryview(block.reshape(-1).view(np.uint8)), off + (ranges[0][0] * row if shape else 0)
+            while len(data):
+                n = os.pwrite(self.f.fileno(), data, at)
+                data, at = data[n:], at + n
+        else:
+            r0, r1 = ranges[0]
+            rows = np.memmap(self.f, dt, "r+", offset=off + r0 * row, shape=(r1 - r0, *shape[1:]))
+            rows[(slice(None), *index[1:])] = block
+            rows.flush()
+            del rows
+        self.filled[name] += block.nbytes
+
+    def close(self) -> None:
+        self.f.close()
+        for name, (shape, dt, _) in self.tensors.items():
+            want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            if self.filled[name] != want:
+                raise ValueError(f"{self.path}: tensor {name!r} received {self.filled[name]} bytes, expected {want}")
 
 
 def plan_shards(items: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_bytes: int) -> list[list[str]]:

@@ -249,15 +249,16 @@ def take_rows(table: jax.Array, ids: jax.Array, logical: tuple) -> jax.Array:
     return jax.shard_map(body, in_specs=(t_spec, i_spec), out_specs=out_spec, check_vma=False)(table, ids)
 
 
-def param_axes(cfg) -> dict:
-    """The parameter tree (params.py layout) with each leaf's logical axes, as its module declares them."""
+def param_axes(cfg, lora=None) -> dict:
+    """The parameter tree (params.py layout; with `lora`, its adapters too) with each leaf's logical axes, as
+    its module declares them."""
     from flax import nnx
 
     from .model import abstract_model
     from .params import set_path
 
     out: dict = {}
-    for path, var in nnx.to_flat_state(abstract_model(cfg)[1]):
+    for path, var in nnx.to_flat_state(abstract_model(cfg, lora)[1]):
         axes = var.get_metadata().get("out_sharding")
         if axes is None or len(axes) != len(var.shape):
             raise ValueError(f"parameter {'/'.join(map(str, path))} of shape {var.shape} has logical axes {axes}")
@@ -265,29 +266,29 @@ def param_axes(cfg) -> dict:
     return out
 
 
-def param_specs(cfg, mesh) -> dict:
+def param_specs(cfg, mesh, lora=None) -> dict:
     """PartitionSpec per parameter leaf (`mesh` None: the rules without divisibility checks)."""
     from .params import flatten, get_path, param_shapes, set_path
 
-    axes = param_axes(cfg)
+    axes = param_axes(cfg, lora)
     out: dict = {}
-    for path, shape in flatten(param_shapes(cfg)):
+    for path, shape in flatten(param_shapes(cfg, lora)):
         set_path(out, path, spec_for(shape, get_path(axes, path), mesh))
     return out
 
 
-def param_shardings(cfg, mesh: Mesh) -> dict:
+def param_shardings(cfg, mesh: Mesh, lora=None) -> dict:
     """NamedSharding per parameter leaf."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, mesh),
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, mesh, lora),
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def abstract_sharded_params(cfg, mesh: Mesh, dtype) -> dict:
+def abstract_sharded_params(cfg, mesh: Mesh, dtype, lora=None) -> dict:
     """ShapeDtypeStruct leaves carrying their shardings: the model on a mesh without a byte of weights."""
     from .params import abstract_params
 
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_params(cfg, dtype), param_shardings(cfg, mesh))
+                        abstract_params(cfg, dtype, lora), param_shardings(cfg, mesh, lora))
 
 
 def cache_sharding(mesh: Mesh, shape) -> NamedSharding:

@@ -40,13 +40,14 @@ def image_features(features: jax.Array, index: jax.Array) -> jax.Array:
 
 
 class TextAttention(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
+        ad = lora.for_module if lora is not None else (lambda name: None)
         d, hd, h, kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.cfg = cfg
-        self.q_proj = Dense(d, h * hd, ("hidden", "heads"), bias=False, rngs=rngs)
-        self.k_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, rngs=rngs)
-        self.v_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, rngs=rngs)
-        self.o_proj = Dense(h * hd, d, ("heads", "hidden"), bias=False, rngs=rngs)
+        self.q_proj = Dense(d, h * hd, ("hidden", "heads"), bias=False, lora=ad("q_proj"), rngs=rngs)
+        self.k_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=ad("k_proj"), rngs=rngs)
+        self.v_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=ad("v_proj"), rngs=rngs)
+        self.o_proj = Dense(h * hd, d, ("heads", "hidden"), bias=False, lora=ad("o_proj"), rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, rngs=rngs)
 
@@ -66,22 +67,23 @@ class TextAttention(nnx.Module):
 
 
 class TextMLP(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
+        ad = lora.for_module if lora is not None else (lambda name: None)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, ("hidden", "mlp"), bias=False, rngs=rngs)
-        self.up_proj = Dense(d, f, ("hidden", "mlp"), bias=False, rngs=rngs)
-        self.down_proj = Dense(f, d, ("mlp", "hidden"), bias=False, rngs=rngs)
+        self.gate_proj = Dense(d, f, ("hidden", "mlp"), bias=False, lora=ad("gate_proj"), rngs=rngs)
+        self.up_proj = Dense(d, f, ("hidden", "mlp"), bias=False, lora=ad("up_proj"), rngs=rngs)
+        self.down_proj = Dense(f, d, ("mlp", "hidden"), bias=False, lora=ad("down_proj"), rngs=rngs)
 
     def __call__(self, h):
         return self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
-        self.attn = TextAttention(cfg, rngs=rngs)
+        self.attn = TextAttention(cfg, lora=lora, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
-        self.mlp = TextMLP(cfg, rngs=rngs)
+        self.mlp = TextMLP(cfg, lora=lora, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask, k_cache=None, v_cache=None, write_pos=0):
         o, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, mask, k_cache, v_cache, write_pos)
@@ -91,10 +93,10 @@ class DecoderLayer(nnx.Module):
 
 
 class TextModel(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "hidden"), rngs=rngs)
-        self.layers = stacked(cfg.num_hidden_layers, lambda r: DecoderLayer(cfg, rngs=r), rngs)
+        self.layers = stacked(cfg.num_hidden_layers, lambda r: DecoderLayer(cfg, lora=lora, rngs=r), rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cache: dict | None = None,
@@ -138,9 +140,19 @@ class TextModel(nnx.Module):
         return x, (None if cache is None else {"k": constrain(kc, CACHE_AXES), "v": constrain(vc, CACHE_AXES)})
 
 
-def unstack_layers(text: TextModel, cache: dict | None = None):
+def unstack_layers(text: TextModel, cache: dict | None = None, layer_params: list | None = None):
     """Stacked layout → unrolled layout, in place on `text` (a module merged inside the caller's trace): its
-    `layers` become a list of per-layer modules, and the cache {"k", "v"} tuples of per-layer arrays."""
-    text.layers = unstack(text.layers)
+    `layers` become a list of per-layer modules, and the cache {"k", "v"} tuples of per-layer arrays.
+    `layer_params`: per-layer weights held as separate arrays (`split_layers`), used instead of slicing the stack
+    (on XLA:CPU, a copy of every layer's weights per call)."""
+    text.layers = unstack(text.layers, layer_params)
     n = len(text.layers)
     return None if cache is None else {name: tuple(kv[i] for i in range(n)) for name, kv in cache.items()}
+
+
+def split_layers(params: dict) -> list[dict]:
+    """The decoder layers of a param dict as one dict of separate arrays per layer (a copy), for
+    `unstack_layers(..., layer_params=)`."""
+    stack = params["text"]["layers"]
+    n = jax.tree.leaves(stack)[0].shape[0]
+    return jax.jit(lambda st: [jax.tree.map(lambda a, i=i: a[i], st) for i in range(n)])(stack)

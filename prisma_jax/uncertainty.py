@@ -8,8 +8,8 @@
     clipped to [0, 1] and floored onto L levels, as uint16. Written as reductions over the vocabulary axis
     (max, Σexp, Σexp·z), so with vocab-sharded logits XLA combines per-shard partial sums and never gathers
     `[B, V]`.
-§3  `Uncertainty.__call__`: e_i = E[x_i] + U[c_i] where c_i is a code (≥ 0) and x_i is not an image/video placeholder;
-    otherwise e_i = E[x_i]. Applied right after the token lookup, before vision features are scattered in.
+§3  `Uncertainty.__call__`: e_i = E[x_i] + U[c_i] where c_i is a code (≥ 0) and x_i is not an image/video
+    placeholder; otherwise e_i = E[x_i]. Applied right after the token lookup, before vision features are scattered in.
 §4  `prompt_codes`: first real token of each row none (−1), every other real token N, padding none.
     `shift_codes`: the teacher-forced rule of training pass k ≥ 2 (codes of pass k−1 move one position right
     wherever the previous position is supervised). Generation carries the code as uint16 loop state.

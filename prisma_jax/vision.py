@@ -89,11 +89,12 @@ def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
 
 
 class VisionAttention(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
+        ad = lora.for_module if lora is not None else (lambda name: None)
         d = cfg.hidden_size
         self.cfg = cfg
-        self.qkv = Dense(d, 3 * d, ("hidden", "mlp"), rngs=rngs)
-        self.proj = Dense(d, d, ("mlp", "hidden"), rngs=rngs)
+        self.qkv = Dense(d, 3 * d, ("hidden", "mlp"), lora=ad("qkv"), rngs=rngs)
+        self.proj = Dense(d, d, ("mlp", "hidden"), lora=ad("proj"), rngs=rngs)
 
     def __call__(self, h, cos, sin, mask):
         cfg = self.cfg
@@ -103,27 +104,29 @@ class VisionAttention(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q = apply_rope(q.astype(jnp.float32), cos, sin).astype(h.dtype)
         k = apply_rope(k.astype(jnp.float32), cos, sin).astype(h.dtype)
-        # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches (L = N: one block-diagonal mask)
+        # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches
+        # (L = N: one block-diagonal mask)
         ln = mask.shape[-1]
         q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
         return self.proj(attention(q, k, v, mask).reshape(n, d))
 
 
 class VisionMLP(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
-        self.fc1 = Dense(cfg.hidden_size, cfg.intermediate_size, ("hidden", "mlp"), rngs=rngs)
-        self.fc2 = Dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "hidden"), rngs=rngs)
+    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
+        ad = lora.for_module if lora is not None else (lambda name: None)
+        self.fc1 = Dense(cfg.hidden_size, cfg.intermediate_size, ("hidden", "mlp"), lora=ad("fc1"), rngs=rngs)
+        self.fc2 = Dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "hidden"), lora=ad("fc2"), rngs=rngs)
 
     def __call__(self, h):
         return self.fc2(jax.nn.gelu(self.fc1(h), approximate=True))
 
 
 class VisionBlock(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
         self.norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
-        self.attn = VisionAttention(cfg, rngs=rngs)
+        self.attn = VisionAttention(cfg, lora=lora, rngs=rngs)
         self.norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
-        self.mlp = VisionMLP(cfg, rngs=rngs)
+        self.mlp = VisionMLP(cfg, lora=lora, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask):
         x = x + self.attn(self.norm1(x), cos, sin, mask)
@@ -154,12 +157,12 @@ class Merger(nnx.Module):
 class VisionTower(nnx.Module):
     """pixel_values [N, C·T·P·P] → merged features [N/m², D] and DeepStack features [n_ds, N/m², D]."""
 
-    def __init__(self, cfg: VisionConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
         dv = cfg.hidden_size
         self.cfg = cfg
         self.patch_embed = Dense(cfg.patch_dim, dv, (None, "hidden"), rngs=rngs)
         self.pos_embed = Embed(cfg.num_position_embeddings, dv, (None, "hidden"), rngs=rngs)
-        self.blocks = stacked(cfg.depth, lambda r: VisionBlock(cfg, rngs=r), rngs)
+        self.blocks = stacked(cfg.depth, lambda r: VisionBlock(cfg, lora=lora, rngs=r), rngs)
         self.merger = Merger(cfg, True, rngs=rngs)
         self.deepstack = stacked(len(cfg.deepstack_visual_indexes), lambda r: Merger(cfg, False, rngs=r), rngs)
 

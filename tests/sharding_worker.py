@@ -166,6 +166,20 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     loop.run(mcfg, os.path.join(work, "loop8"), **quiet)         # resumed on the mesh from step 2
     losses = lambda d: [json.loads(x)["loss"] for x in open(os.path.join(work, d, "metrics.jsonl"))]  # noqa: E731
     res["loop_losses_one"], res["loop_losses_mesh"] = losses("loop1"), losses("loop8")
+
+    # LoRA on the mesh: the same losses as on one device; adapters sharded like their kernels
+    from prisma_jax.lora import LoraSpec
+    lora = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj", "fc1"))
+    l1 = dataclasses.replace(lcfg, train=dataclasses.replace(lcfg.train, lora=lora))
+    l8 = dataclasses.replace(l1, train=dataclasses.replace(l1.train, mesh=MeshSpec(2, 2, 2)))
+    loop.run(l1, os.path.join(work, "lora1"), **quiet)
+    loop.run(l8, os.path.join(work, "lora8"), stop_at=2, **quiet)
+    loop.run(l8, os.path.join(work, "lora8"), **quiet)
+    res["lora_losses_one"], res["lora_losses_mesh"] = losses("lora1"), losses("lora8")
+    state, base = sharded.init_state(l8, sharded.mesh_of(l8))
+    res["lora_shards"] = {jax.tree_util.keystr(k): sorted({tuple(x.data.shape) for x in v.addressable_shards})
+                          for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    res["lora_base_leaves"] = len(jax.tree.leaves(base))
     np.savez(out + ".npz", **p1)
     with open(out, "w") as f:
         json.dump(res, f)
@@ -201,6 +215,7 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
             res["losses"].append(float(np.asarray(metrics["loss"].addressable_data(0))))
         params = state.params
         multihost.save(ckdir, params)
+        res["loop"] = multihost_loop(tcfg, os.path.dirname(out))
     else:
         target = abstract_sharded_params(tcfg.model, mesh, jnp.float32)
         params = multihost.restore(ckdir, target)
@@ -212,6 +227,35 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
     with open(out, "w") as f:
         json.dump(res, f)
     jax.distributed.shutdown()
+
+
+def multihost_loop(tcfg, d: str) -> dict:
+    """train/loop.py on both processes (the config and compiled step above): a straight run of `SFT_STEPS`
+    steps, and a run stopped after step 1 then resumed to the end, in workdirs both processes share. Returns
+    this process's view: each run's metrics lines (only process 0 writes them) and the per-process data
+    states of the resumed run's checkpoints."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from train import loop
+
+    out: dict = {}
+    quiet = dict(progress=False, log=lambda *a: None)
+    for name, stops in (("straight", [None]), ("resumed", [1, None])):
+        wd = os.path.join(d, f"loop_{name}")
+        if jax.process_index() == 0:   # the data the test generated (train/tiny_sft.py finds it there)
+            os.makedirs(wd, exist_ok=True)
+            os.symlink(os.path.join(d, "tiny_sft_data"), os.path.join(wd, "tiny_sft_data"))
+        multihost_utils.sync_global_devices(f"workdir {name}")
+        for stop in stops:
+            loop.run(tcfg, wd, stop_at=stop, **quiet)
+        with open(os.path.join(wd, "metrics.jsonl")) as f:
+            out[name] = [json.loads(line) for line in f]
+        ck = os.path.join(wd, "checkpoints")
+        out[f"{name}_data_states"] = {
+            step: {n: json.load(open(os.path.join(ck, step, "data", n))) for n in sorted(os.listdir(
+                os.path.join(ck, step, "data"))) if n.endswith(".json")} for step in os.listdir(ck) if step.isdigit()}
+    return out
 
 
 def scenario_tpu(out: str) -> None:

@@ -85,3 +85,17 @@ def test_training_loop_on_the_mesh_matches_one_device_and_resumes(res):
     one, mesh = res["loop_losses_one"], res["loop_losses_mesh"]
     assert len(one) == len(mesh) == 3
     np.testing.assert_allclose(mesh, one, atol=1e-5, rtol=0)
+
+
+def test_lora_on_the_mesh_matches_one_device_and_adapters_follow_their_kernels(res):
+    one, mesh = res["lora_losses_one"], res["lora_losses_mesh"]
+    assert len(one) == len(mesh) == 3
+    np.testing.assert_allclose(mesh, one, atol=1e-5, rtol=0)
+    sh = res["lora_shards"]
+    # lora_a [3, in, 4] splits `in` like the kernel (hidden on fsdp = 2); lora_b [3, 4, out] splits `out`
+    assert sh["['text']['layers']['attn']['q_proj']['lora']['lora_a']"] == [[3, 32, 4]]
+    assert sh["['text']['layers']['attn']['q_proj']['lora']['lora_b']"] == [[3, 4, 64]]       # heads on tensor
+    assert sh["['text']['layers']['mlp']['down_proj']['lora']['lora_a']"] == [[3, 48, 4]]    # mlp on tensor
+    assert sh["['vision']['blocks']['mlp']['fc1']['lora']['lora_b']"] == [[3, 4, 24]]
+    assert sh["['uncertainty']['embedding']"] == [[128, 32]]
+    assert len(sh) == 7 and res["lora_base_leaves"] > 30

@@ -1,6 +1,7 @@
 """Two processes × 4 CPU devices on localhost (`jax.distributed.initialize`): training steps on tiny_sft
 (conversations with images) with each host feeding its own rows and their images, an Orbax save from both
-hosts, and a restore in two fresh processes give the numbers of one process on one device fed the same rows."""
+hosts, and a restore in two fresh processes give the numbers of one process on one device fed the same rows;
+the training loop on both processes writes one metrics line a step and resumes each host's data position."""
 import json
 import os
 import socket
@@ -95,3 +96,15 @@ def test_two_hosts_train_save_restore_match_one_process(tmp_path):
     for k, v in ref.items():
         assert np.max(np.abs(after_train[k] - v)) <= 0.05 * moved, k
         np.testing.assert_array_equal(after_restore[k], after_train[k], err_msg=k)
+    # train/loop.py on both processes: process 0 alone writes metrics.jsonl (one line a step), each process saves
+    # its own data position, and a run stopped after step 1 and resumed gives the straight run's losses
+    lp = trained[0]["loop"]
+    for name in ("straight", "resumed"):
+        assert [m["step"] for m in lp[name]] == list(range(1, W.SFT_STEPS + 1)), name
+        states = lp[f"{name}_data_states"]
+        assert str(W.SFT_STEPS) in states and (name == "straight" or "1" in states), states.keys()
+        rows = W.sft_train_cfg().train.batch_size // 2            # each host's rows a step
+        for step, files in states.items():
+            assert files == {f"process_{i}-of-2.json": {"next_index": rows * int(step)} for i in range(2)}, step
+    assert [m["loss"] for m in lp["resumed"]] == [m["loss"] for m in lp["straight"]]
+    assert lp["straight"][-1]["loss"] < lp["straight"][0]["loss"]

@@ -180,7 +180,7 @@ def test_workdir_of_a_different_model_is_refused_and_kept(tmp_path):
     assert [m["step"] for m in losses(wd)] == [1, 2]
 
 
-def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys):
+def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys, monkeypatch):
     """`prisma convert train-to-hf`: the chosen step's params, read back through the Hugging Face loader, equal
     the ones Orbax holds for that step; bad steps, workdirs and destinations are refused by name."""
     import orbax.checkpoint as ocp
@@ -215,6 +215,66 @@ def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys):
         assert msg in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+    # benchmarks/convert_memory.py writes a training checkpoint leaf by leaf and chunk by chunk: written from
+    # step 2's params in small chunks (many a leaf), Orbax's tree metadata is the loop's, Orbax restores the
+    # params, and train-to-hf (in regions of a few chunks: rows written whole and in part) gives the same bytes
+    import filecmp
+    import importlib.util
+
+    from prisma_jax.params import get_path
+    from train import export as export_mod
+
+    spec = importlib.util.spec_from_file_location("convert_memory", os.path.join(ROOT, "benchmarks", "convert_memory.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    written = str(tmp_path / "written")
+    params = {k: np.asarray(v) for k, v in jax_leaves(want[2])}
+    info = bench.write_train_checkpoint(written, cfg, lambda p, i: get_path(want[2], p)[i], step=2, chunk_bytes=2048)
+    assert info["params"] == sum(v.nbytes for v in params.values()) and info["largest_chunk"] <= 2048
+    meta = [json.load(open(os.path.join(w, "checkpoints", "2", "state", "_METADATA"))) for w in (wd, written)]
+    assert meta[0] == meta[1]
+    mngr = ocp.CheckpointManager(os.path.join(written, "checkpoints"), item_names=("state", "data", "meta"))
+    back = mngr.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
+    mngr.close()
+    assert [k for k, _ in jax_leaves(back)] == list(params)
+    for (k, v) in jax_leaves(back):
+        np.testing.assert_array_equal(np.asarray(v), params[k], err_msg=k)
+    monkeypatch.setattr(export_mod, "REGION_BYTES", 6144)
+    assert cli_main(["convert", "train-to-hf", written, str(tmp_path / "hf_written"), "--eos-token-id", "2"]) == 0
+    assert filecmp.cmp(tmp_path / "hf2" / "model.safetensors", tmp_path / "hf_written" / "model.safetensors",
+                       shallow=False)
+    os.remove(os.path.join(written, "checkpoints", "2", "state", "_METADATA"))
+    capsys.readouterr()
+    assert cli_main(["convert", "train-to-hf", written, str(tmp_path / "z")]) != 0
+    assert "no readable Orbax _METADATA" in capsys.readouterr().err and not os.path.exists(tmp_path / "z")
+
+
+def test_piece_writer_writes_the_streaming_writers_bytes_and_refuses_gaps(tmp_path):
+    """safetensors_io.PieceWriter: pieces in any order (whole rows, parts of rows) give write_streaming's file;
+    a misshapen piece or a tensor left short is an error naming it."""
+    from prisma_jax.safetensors_io import PieceWriter, write_streaming
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal(7).astype(np.float32)
+    specs = [("a", a.shape, np.float32), ("b", b.shape, np.float32)]
+    write_streaming(str(tmp_path / "ref"), specs, lambda k: [{"a": a, "b": b}[k]], {"format": "pt"})
+    w = PieceWriter(str(tmp_path / "pieces"), specs, {"format": "pt"})
+    w.put("b", b[3:], (slice(3, 7),))
+    w.put("a", a[2:4, 1:], (slice(2, 4), slice(1, 5)))
+    w.put("a", a[4:], (slice(4, 6),))
+    w.put("a", a[:2], (slice(0, 2), slice(0, 5)))
+    w.put("a", a[2:4, :1], (slice(2, 4), slice(0, 1)))
+    w.put("b", b[:3], (slice(0, 3),))
+    w.close()
+    assert open(tmp_path / "ref", "rb").read() == open(tmp_path / "pieces", "rb").read()
+    w = PieceWriter(str(tmp_path / "short"), specs)
+    with pytest.raises(ValueError, match=r"tensor 'a': a block of shape \(2, 5\)"):
+        w.put("a", a[:2], (slice(0, 3),))
+    w.put("a", a, ())
+    w.put("b", b[:6], (slice(0, 6),))
+    with pytest.raises(ValueError, match=r"tensor 'b' received 24 bytes, expected 28"):
+        w.close()
 
 
 def jax_leaves(tree):

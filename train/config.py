@@ -2,7 +2,8 @@
 
 A training YAML holds the model (`model:`, prisma_jax/config.py's schema) and four sections of ours:
 
-    train:      steps, batch size, sequence length, accumulation, introspection passes, dtype, remat, freezing
+    train:      steps, batch size, sequence length, accumulation, introspection passes, dtype, remat, freezing,
+                LoRA (`lora: {rank, alpha, targets, dropout}`: adapters on a frozen base; prisma_jax/lora.py)
     optimizer:  AdamW + warmup-cosine + global-norm clipping; weight decay on kernels and embedding tables
                 (token embedding, position embedding, uncertainty table), never on norm scales or biases
     data:       source (jsonl | synthetic | tiny_sft), processor directory, image size, bad-input policies
@@ -21,6 +22,7 @@ import typing
 import yaml
 
 from prisma_jax.config import ConfigError, ModelConfig, config_from_dict, read_yaml
+from prisma_jax.lora import LoraSpec
 from prisma_jax.sharding import MeshSpec
 
 FREEZE_GROUPS = ("vision", "embed", "layers", "text", "lm_head", "uncertainty")
@@ -41,6 +43,7 @@ class TrainSection:
     init: str | None = None             # None: random init from `seed`; else a Hugging Face checkpoint dir
     log_every: int = 1
     mesh: object = None                 # None: one device; a preset name or {data, fsdp, tensor} (→ MeshSpec)
+    lora: object = None                 # None: full fine-tuning; {rank, alpha, targets, dropout} (→ LoraSpec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Config:
     def to_dict(self) -> dict:
         d = {k: dataclasses.asdict(getattr(self, k)) for k in ("train", "optimizer", "data", "checkpoint")}
         d["train"]["freeze"] = list(self.train.freeze)
+        if self.train.lora is not None:
+            d["train"]["lora"] = {**d["train"]["lora"], "targets": list(self.train.lora.targets)}
         return {"model": self.model.to_dict(), **d}
 
 
@@ -168,6 +173,11 @@ def _check(c: Config) -> Config:
             c = dataclasses.replace(c, train=dataclasses.replace(t, mesh=MeshSpec.parse(t.mesh)))
         except ValueError as e:
             problems.append(f"train.{e}" if str(e).startswith("mesh") else f"train.mesh: {e}")
+    if t.lora is not None:
+        try:
+            c = dataclasses.replace(c, train=dataclasses.replace(c.train, lora=_lora(t.lora)))
+        except ValueError as e:
+            problems.append(str(e))
     need(t.log_every >= 1, f"train.log_every must be ≥ 1, got {t.log_every}")
     need(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optimizer.warmup_steps must be ≥ 0, got {o.warmup_steps}")
@@ -187,6 +197,20 @@ def _check(c: Config) -> Config:
     if problems:
         raise ConfigError("; ".join(problems))
     return c
+
+
+def _lora(raw) -> LoraSpec:
+    if isinstance(raw, LoraSpec):
+        return raw.check()
+    if not isinstance(raw, dict):
+        raise ValueError(f"train.lora must be a mapping {{rank, alpha, targets, dropout}} or null, got {raw!r}")
+    unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(LoraSpec)})
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join('train.lora.' + k for k in unknown)}")
+    targets = raw.get("targets", LoraSpec.targets)
+    if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
+        raise ValueError(f"train.lora.targets must be a list of module names, got {targets!r}")
+    return LoraSpec(**{**raw, "targets": tuple(targets)}).check()
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

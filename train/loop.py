@@ -2,25 +2,39 @@
 
 Workdir layout::
 
-    DIR/checkpoints/<step>/{state, data, meta}   Orbax: TrainState (params, optimizer, step, RNG), grain
-                                                 iterator state, the model config (checked on resume)
-    DIR/metrics.jsonl                            one JSON object per logged step
-    DIR/tb/                                      the same scalars for TensorBoard (tensorboardX)
+    DIR/checkpoints/<step>/state                 Orbax: TrainState (params, optimizer, step, RNG), each process
+                                                 writing its own shards
+    DIR/checkpoints/<step>/data/process_<i>-of-<n>.json   each process's grain iterator position (grain's
+                                                 Orbax handler): process i resumes from its own records
+    DIR/checkpoints/<step>/meta                  the model and run config (the model is checked on resume);
+                                                 with LoRA (the state then holds the trained leaves only) the
+                                                 base's identity: train.init's path and crc32s, or the seed
+    DIR/metrics.jsonl                            one JSON object per logged step, written by process 0 only
+    DIR/tb/                                      the same scalars for TensorBoard (tensorboardX), process 0 only
 
 Running again with the same DIR resumes from its latest checkpoint; with the same config the losses equal
 those of an uninterrupted run bit for bit (the step is deterministic, the state and the iterator position
 are restored exactly). `stop_at` (the CLI's `--steps N`) ends the run after global step N without touching
 the schedule, which `train.steps` defines. SIGTERM (a TPU preemption notice) lets the current step finish,
 saves, and returns normally (exit 0).
+
+On several processes (one per host) every process runs this loop on its own rows (`process_index::process_count`
+of the records): the metrics are the mesh's global values, so process 0 alone writes them (and shows the
+progress bar), as MaxText does. Each process saves and restores its own iterator position; a checkpoint is
+resumed with the process count that saved it (the records are dealt to hosts by that count), else an error says
+so.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
+import zlib
 
+import grain.checkpoint
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -29,7 +43,7 @@ from prisma_jax.sharding import batch_shards
 
 from . import data as data_mod, sharded
 from .config import Config
-from .step import TrainState, init_state, make_train_step
+from .step import TrainState, init_lora, init_state, make_train_step
 
 
 class _Preempted:
@@ -52,6 +66,38 @@ def _manager(cfg: Config, workdir: str) -> ocp.CheckpointManager:
     opts = ocp.CheckpointManagerOptions(save_interval_steps=k.every, max_to_keep=k.keep,
                                         enable_async_checkpointing=k.asynchronous)
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=opts, item_names=CHECKPOINT_ITEMS)
+
+
+class _Position:
+    """A recorded iterator state, saved by grain's handler as the iterator's own would be (`get_state`: the
+    JSON bytes). The loop records the position after the batch of the step being saved, while the iterator
+    itself has already moved on to the next batch."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state, indent=4).encode()
+
+
+def _restore_data(mngr: ocp.CheckpointManager, step: int, iterator) -> None:
+    """Set `iterator` to this process's saved position of checkpoint `step`."""
+    directory = os.path.join(str(mngr.directory), str(step), "data")
+    n, i = jax.process_count(), jax.process_index()
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if f"process_{i}-of-{n}.json" not in names:
+        if n == 1 and "metadata" in names:   # saved before per-process states: the JSON item of one process
+            old = ocp.CheckpointManager(mngr.directory, item_names=("data",))   # keeps `mngr`'s grain handler
+            try:
+                iterator.set_state(old.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"])
+            finally:
+                old.close()
+            return
+        saved = sorted({int(m.group(1)) for m in map(re.compile(r"process_\d+-of-(\d+)\.json$").match, names) if m})
+        raise ValueError(f"{mngr.directory}: the data state of step {step} was saved by "
+                         f"{' or '.join(map(str, saved)) or 'no'} process(es), this run has {n}: resume with the "
+                         f"process count that saved it (the records are dealt to hosts by it)")
+    mngr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator)))
 
 
 def _diff(a: dict, b: dict, prefix="") -> list[str]:
@@ -80,17 +126,49 @@ def _initial_params(cfg: Config):
     return params
 
 
-def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=None) -> TrainState:
-    """The latest checkpoint in the manager's directory (checked to hold this model), or a fresh state; on
-    `mesh`, created or restored directly in its shardings."""
+def base_identity(cfg: Config) -> dict:
+    """What a LoRA run's frozen base is: train.init's directory and the crc32 of each of its files, or the
+    seed of a random base."""
+    if cfg.train.init is None:
+        return {"random_seed": cfg.train.seed}
+    path = os.path.abspath(cfg.train.init)
+    crcs = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".safetensors", ".json")) and os.path.isfile(os.path.join(path, name)):
+            crc = 0
+            with open(os.path.join(path, name), "rb") as f:
+                while chunk := f.read(1 << 24):
+                    crc = zlib.crc32(chunk, crc)
+            crcs[name] = f"{crc:08x}"
+    return {"path": path, "crc32": crcs}
+
+
+def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=None):
+    """(the latest checkpoint in the manager's directory (checked to hold this model), or a fresh state; with
+    LoRA the frozen base, else None). On `mesh`, created or restored directly in its shardings."""
     latest = mngr.latest_step()
+    base = None
     if latest is None:
-        return init_state(cfg, _initial_params(cfg)) if mesh is None else sharded.init_state(cfg, mesh)
+        if mesh is not None:
+            return sharded.init_state(cfg, mesh)
+        if cfg.train.lora is not None:
+            return init_lora(cfg, _initial_params(cfg))
+        return init_state(cfg, _initial_params(cfg)), None
     meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     diff = _diff(meta.get("model", {}), json.loads(json.dumps(cfg.model.to_dict())))
     if diff:
         raise ValueError(f"{mngr.directory} holds a checkpoint (step {latest}) of a different model ("
                          + "; ".join(diff[:4]) + "): use another --workdir")
+    if (cfg.train.lora is None) != (meta.get("base") is None):
+        raise ValueError(f"{mngr.directory} holds a {'full' if meta.get('base') is None else 'LoRA'} fine-tuning "
+                         f"checkpoint (step {latest}); this config is {'full' if cfg.train.lora is None else 'LoRA'} "
+                         "fine-tuning: use another --workdir")
+    if cfg.train.lora is not None:
+        if meta["base"] != base_identity(cfg):
+            raise ValueError(f"{mngr.directory}: the LoRA checkpoint (step {latest}) was trained on another base "
+                             f"({meta['base'].get('path', meta['base'])}) than train.init now gives; its files or "
+                             "seed differ")
+        base = init_lora(cfg, _initial_params(cfg))[1] if mesh is None else sharded.init_state(cfg, mesh)[1]
     shapes = jax.eval_shape(lambda: _as_dict(init_state(cfg)))
     if mesh is None:
         dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -98,11 +176,9 @@ def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=Non
     else:
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                               _as_dict(sharded.state_shardings(cfg, mesh)))
-    got = mngr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                        data=ocp.args.JsonRestore()))
-    iterator.set_state(got["data"])
-    s = got["state"]
-    return TrainState(s["step"], s["params"], s["opt_state"], s["rng"])
+    s = mngr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    _restore_data(mngr, latest, iterator)
+    return TrainState(s["step"], s["params"], s["opt_state"], s["rng"]), base
 
 
 _STEPS: dict = {}
@@ -149,34 +225,39 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
     iterator = iter(dataset)
     mngr = _manager(cfg, workdir)
     try:
-        state = restore_or_init(cfg, mngr, iterator, mesh)
+        state, base = restore_or_init(cfg, mngr, iterator, mesh)
         start = int(state.step)
         where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
         log(f"data: {info.line() if info.records >= 0 else 'synthetic'}; "
             f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}{where}")
-        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh)
+        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh, base)
     finally:
         mngr.close()
 
 
-def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None):
+def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None, base=None):
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
+    chief = jax.process_index() == 0      # the one process that writes metrics
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    _trim_metrics(metrics_path, start)
+    if chief:
+        _trim_metrics(metrics_path, start)
     meta = {"model": cfg.model.to_dict(), "config": cfg.to_dict()}
+    if base is not None:
+        meta["base"] = base_identity(cfg)
     step_fn = compiled_step(cfg, state.params, mesh)
     preempted = _Preempted()
     old = signal.signal(signal.SIGTERM, preempted)
-    writer = SummaryWriter(os.path.join(workdir, "tb"))
-    bar = tqdm(total=stop_at, initial=start, disable=not progress, file=sys.stderr, desc="train", unit="step")
+    writer = SummaryWriter(os.path.join(workdir, "tb")) if chief else None
+    bar = tqdm(total=stop_at, initial=start, disable=not (progress and chief), file=sys.stderr, desc="train",
+               unit="step")
     last: dict = {}
     step = start
 
     def save(step, st, data_state, force=False):
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(st)),
-                                                data=ocp.args.JsonSave(data_state),
+                                                data=grain.checkpoint.CheckpointSave(_Position(data_state)),
                                                 meta=ocp.args.JsonSave(meta)), force=force)
 
     def fetch():
@@ -184,7 +265,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
         return b, iterator.get_state()                 # position after this batch = after its step
 
     try:
-        with open(metrics_path, "a") as mf:
+        with open(metrics_path if chief else os.devnull, "a") as mf:
             batch, next_data_state = fetch()
             while step < stop_at:
                 t0 = time.perf_counter()
@@ -192,9 +273,9 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                 n_in = int(np.sum(batch.attention_mask)) * jax.process_count()
                 if mesh is not None:
                     with jax.set_mesh(mesh):
-                        state, m = step_fn(state, sharded.put_batch(batch, mesh))
+                        state, m = step_fn(state, sharded.put_batch(batch, mesh), *([] if base is None else [base]))
                 else:
-                    state, m = step_fn(state, batch)
+                    state, m = step_fn(state, batch, *([] if base is None else [base]))
                 if step + 1 < stop_at:   # the step runs asynchronously: build the next batch meanwhile
                     batch, next_data_state = fetch()
                 m = jax.device_get(m)
@@ -202,7 +283,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                 step += 1
                 last = {"step": step, **{k: float(v) for k, v in m.items()}, "tokens_per_sec": n_in / dt,
                         "step_time": dt}
-                if step % cfg.train.log_every == 0 or step == stop_at:
+                if chief and (step % cfg.train.log_every == 0 or step == stop_at):
                     mf.write(json.dumps(last) + "\n")
                     mf.flush()
                     for k, v in last.items():
@@ -219,5 +300,6 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
     finally:
         signal.signal(signal.SIGTERM, old)
         bar.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
     return last

@@ -13,6 +13,10 @@ forward and backward (gradients arrive in float32 through the cast). Frozen grou
 the forward and get `optax.set_to_zero` updates, so they do not move by a single bit. `remat` picks what the
 scanned decoder layers keep for the backward pass.
 
+With `train.lora` the state holds only the trained leaves — the adapters, and the uncertainty table unless
+`train.freeze` names it — and their optimizer state; the frozen base is a separate argument of the step
+(`train_step(state, batch, base)`), held once in the compute dtype, never differentiated or saved.
+
 Not here: data, checkpoints, logging (train/data.py, train/loop.py).
 """
 from __future__ import annotations
@@ -24,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from prisma_jax.lora import is_adapter
 from prisma_jax.model import Batch, bind
-from prisma_jax.params import init_params
+from prisma_jax.params import TABLE_PATH, init_params
 from prisma_jax.quantize import refuse_training
 from prisma_jax.uncertainty import codes_from_entropy, codes_from_logits, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
@@ -74,7 +79,7 @@ def frozen_mask(cfg: Config, params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(is_frozen, params)
 
 
-DECAYED, NOT_DECAYED = ("kernel", "embedding"), ("scale", "bias")   # leaf names (params.py layout)
+DECAYED, NOT_DECAYED = ("kernel", "embedding", "lora_a", "lora_b"), ("scale", "bias")   # leaf names
 
 
 def decay_mask(params: dict) -> dict:
@@ -99,11 +104,55 @@ def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+# ---------------------------------------------------------------------------------------------- LoRA
+
+def is_trained(cfg: Config, path: tuple) -> bool:
+    """With LoRA: the adapters, and the table unless frozen."""
+    return is_adapter(path) or (path == TABLE_PATH and "uncertainty" not in cfg.train.freeze)
+
+
+def partition(tree: dict, keep, prefix: tuple = ()) -> tuple[dict, dict]:
+    """(the leaves whose path `keep` accepts, the others), both as nested dicts without empty branches."""
+    a, b = {}, {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            x, y = partition(v, keep, prefix + (k,))
+            if x:
+                a[k] = x
+            if y:
+                b[k] = y
+        else:
+            (a if keep(prefix + (k,)) else b)[k] = v
+    return a, b
+
+
+def combine(a: dict, b: dict) -> dict:
+    """The union of two disjoint nested dicts (`partition`'s inverse)."""
+    out = dict(b)
+    for k, v in a.items():
+        out[k] = combine(v, b[k]) if isinstance(v, dict) and k in b else v
+    return out
+
+
+def lora_init(cfg: Config, key: jax.Array, base: dict | None = None) -> tuple[dict, dict]:
+    """(trained leaves in float32, frozen base in the compute dtype) at step 0 (traceable). The base is `base`
+    (train.init) or random from fold_in(key, 1), as without LoRA; the adapters come from fold_in(key, 2)."""
+    if base is None:
+        base = init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32)
+    full = init_params(cfg.model, jax.random.fold_in(key, 2), jnp.float32, lora=cfg.train.lora)
+    adapters, _ = partition(full, is_adapter)
+    trained, frozen = partition(combine(adapters, base), lambda p: is_trained(cfg, p))
+    dt = jnp.dtype(cfg.train.compute_dtype)
+    return (jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trained),
+            jax.tree.map(lambda x: jnp.asarray(x, dt), frozen))
+
+
 def fresh_state(cfg: Config, key: jax.Array, params: dict | None = None) -> TrainState:
     """The step-0 state (traceable, so a mesh can create it in its shardings: train/sharded.py): float32
     params (random from `key` unless given), the optimizer's initial state, `key` as the training RNG."""
     if params is None:
-        params = init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32)
+        params = (lora_init(cfg, key)[0] if cfg.train.lora is not None else
+                  init_params(cfg.model, jax.random.fold_in(key, 1), jnp.float32))
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(cfg, params).init(params), key)
 
@@ -115,11 +164,20 @@ def _init_params_fn(model):
 
 
 def init_state(cfg: Config, params: dict | None = None) -> TrainState:
-    """`fresh_state` from train.seed on the default device."""
+    """`fresh_state` from train.seed on the default device (with LoRA: see `init_lora`)."""
     key = jax.random.PRNGKey(cfg.train.seed)
+    if cfg.train.lora is not None:
+        return init_lora(cfg, params)[0]
     if params is None:
         params = _init_params_fn(cfg.model)(key)
     return jax.jit(fresh_state, static_argnums=0)(cfg, key, params)
+
+
+def init_lora(cfg: Config, base: dict | None = None) -> tuple[TrainState, dict]:
+    """(the step-0 state of the trained leaves, the frozen base) from train.seed; `base`: train.init's params."""
+    key = jax.random.PRNGKey(cfg.train.seed)
+    trained, frozen = jax.jit(lora_init, static_argnums=0)(cfg, key, base)
+    return jax.jit(fresh_state, static_argnums=0)(cfg, key, trained), frozen
 
 
 # ---------------------------------------------------------------------------------------------- forward + loss
@@ -149,11 +207,11 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
         fixed = jax.lax.stop_gradient(params)
 
         def one_pass(c, _):
-            model = bind(m, fixed)
+            model = bind(m, fixed, cfg.train.lora)
             h, _ = model.hidden(mb._replace(codes=c))
             return shift_codes(mb.codes, codes_from_logits(model.head(h), m.n_bits), supervised), None
         codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)
-    model = bind(m, params)
+    model = bind(m, params, cfg.train.lora)
     h, _ = model.hidden(mb._replace(codes=codes), remat_policy=remat_policy(remat))
     return model.head(h).astype(jnp.float32), codes
 
@@ -204,13 +262,15 @@ def compute_params(cfg: Config, params: dict, frozen: dict) -> dict:
     return jax.tree.map(lambda p, f: (jax.lax.stop_gradient(p) if f else p).astype(dt), params, frozen)
 
 
-def grads_and_stats(cfg: Config, params: dict, batch: TrainBatch):
-    """Mean-over-tokens loss gradients (float32) accumulated over the micro-batches, and summed statistics."""
+def grads_and_stats(cfg: Config, params: dict, batch: TrainBatch, base: dict | None = None):
+    """Mean-over-tokens loss gradients (float32) of `params` accumulated over the micro-batches, and summed
+    statistics; with LoRA `params` are the trained leaves and `base` the rest (no gradient)."""
     frozen = frozen_mask(cfg, params)
     n_tok = jnp.sum(batch.targets >= 0).astype(jnp.float32)
 
     def f(p, mb, tg):
-        return _micro_loss(compute_params(cfg, p, frozen), cfg, mb, tg)
+        p = compute_params(cfg, p, frozen)
+        return _micro_loss(p if base is None else combine(p, base), cfg, mb, tg)
 
     def body(carry, i):
         g_acc, l_acc, st_acc = carry
@@ -232,9 +292,9 @@ def make_train_step(cfg: Config, params_like: dict | None = None):
     tx = None if params_like is None else make_optimizer(cfg, params_like)
     sched = schedule(cfg)
 
-    def train_step(state: TrainState, batch: TrainBatch):
+    def train_step(state: TrainState, batch: TrainBatch, base: dict | None = None):
         opt = tx or make_optimizer(cfg, state.params)
-        g, loss, n_tok, st = grads_and_stats(cfg, state.params, batch)
+        g, loss, n_tok, st = grads_and_stats(cfg, state.params, batch, base)
         trainable = jax.tree.map(lambda x, f: jnp.zeros_like(x) if f else x, g, frozen_mask(cfg, g))
         updates, opt_state = opt.update(g, state.opt_state, state.params)
         params = jax.tree.map(lambda new, old, f: old if f else new, optax.apply_updates(state.params, updates),

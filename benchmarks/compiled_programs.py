@@ -1,0 +1,61 @@
+"""The compiled programs of this tree, as comparable text: XLA's optimized HLO of the `bench_58m` training step
+(batch 2 × 64) and of the tiny model's `generate.prefill` and unrolled `generate.decode`, one instruction a line,
+debug metadata (source lines, function names, stack frames) removed. Two trees whose files `diff` equal run the
+same programs, so any speed difference between them is noise.
+
+    PYTHONPATH=TREE .venv/bin/python benchmarks/compiled_programs.py OUT.txt
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import numpy as np
+
+# this folder's train.py would shadow the `train` package of the tree under test (PYTHONPATH, or the install)
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def instructions(compiled) -> list[str]:
+    lines = [ln for ln in compiled.as_text().splitlines() if " = " in ln]
+    lines = [re.sub(r", metadata=\{[^}]*\}", "", ln) for ln in lines]
+    return [re.sub(r"(, )?stack_frame_id=[0-9]*", "", ln) for ln in lines]
+
+
+def train_step() -> list[str]:
+    from train import step as S
+    from train.config import load_train_config
+
+    cfg, _ = load_train_config("configs/bench_58m.yaml", ["train.batch_size=2", "train.seq_len=64"])
+    state = jax.eval_shape(lambda: S.fresh_state(cfg, jax.random.PRNGKey(0)))
+    a, b, s = cfg.train.grad_accum, cfg.train.batch_size // cfg.train.grad_accum, cfg.train.seq_len
+    sd = jax.ShapeDtypeStruct
+    batch = S.TrainBatch(sd((a, b, s), jnp.int32), sd((a, b, s), bool), sd((a, b, s), jnp.int32),
+                         sd((a, 3, b, s), jnp.int32), sd((a, b, s), jnp.int32))
+    return instructions(jax.jit(S.make_train_step(cfg, state.params)).lower(state, batch).compile())
+
+
+def generation() -> list[str]:
+    from prisma_jax import generate as G
+    from prisma_jax.config import load_config
+    from prisma_jax.params import init_params_numpy
+
+    cfg = load_config("configs/tiny.yaml")
+    params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, 0))
+    p = G.plan(cfg, np.random.default_rng(0).integers(7, 100, (2, 9)), max_new_tokens=8, unroll_layers=True)
+    args = (cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
+    state = G.prefill(*args)
+    return (instructions(G.prefill.lower(*args).compile())
+            + instructions(G.decode.lower(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new).compile()))
+
+
+if __name__ == "__main__":
+    import prisma_jax
+    print(f"tree: {os.path.dirname(os.path.dirname(prisma_jax.__file__))}")
+    lines = train_step() + generation()
+    with open(sys.argv[1], "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{len(lines)} instructions → {sys.argv[1]}")

@@ -1,0 +1,230 @@
+"""The engine's device side: a fixed set of decode slots and the three programs that change them.
+
+    init_slots(cfg, spec, n_slots, max_len, dtype)          → Slots          every slot free
+    admit(cfg, spec, params, slots, i, ...)                → Slots, Emitted  prefill one request into slot i
+    advance(cfg, spec, window, k, params, slots)           → Slots, Emitted  k decode steps of every slot
+    release(slots, i)                                      → Slots          slot i stops (its client left)
+
+Each slot is one row of a dense KV cache of `max_len` entries. A request is prefilled alone by generate.py's
+`prompt_pass` (its prompt bucket, vision included; one program per bucket, whatever max_new is) and its cache
+copied into a free row with the layout `generate.prefill` gives it: the left-padded prompt bucket P in entries
+[0, P), the token generated at step t at entry P + t; when P + max_new would not fit in `max_len`, the row is
+shifted left over the prompt's padding (`shift`). From then on every slot carries what `generate.DecodeState`
+carries per row — last token, the uint16 code of the distribution it was drawn from (docs/introspection-contract.md
+§4), M-RoPE position, PRNG key, done flag, count — plus what `generate` keeps per call and a slot must keep per row:
+its cache entry (`write`), `max_new`, sampling parameters and end ids. All are data: requests come and go
+without recompiling.
+
+`advance` runs the model once per step on all slots, each row at its own cache entry (the cached forward,
+`model.hidden`, vmapped over rows), over the first `window` entries of the cache only (a static power of two
+covering every live row: short requests do not pay for `max_len`). Rows that are done or free compute and
+are ignored; a row's outputs stop at its end token or at `max_new`.
+
+Not here: which request goes where, stop strings, text (engine.py).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import generate as G
+from .. import model as M
+from ..config import ModelConfig
+from ..sampling import SamplingParams, UncertaintyTemperature, sample
+from ..text import unstack_layers
+
+MAX_TOP_LOGPROBS = 20     # OpenAI's limit on top_logprobs
+MAX_END_IDS = 8           # end token ids per request (the checkpoint's and the request's)
+
+
+class ServeSpec(NamedTuple):
+    """Static choices of the slot programs (each distinct value is one compiled program per shape)."""
+    introspection: bool = True
+    unroll_layers: bool = False                 # per-layer cache arrays, layers unrolled (text.py; CPU default)
+    top_logprobs: int = 0                       # 0, or MAX_TOP_LOGPROBS: also report the most likely tokens
+    temperature_fn: Any = UncertaintyTemperature()
+
+
+class Slots(NamedTuple):
+    cache: dict              # {"k", "v"}: [layers, S, M, KV, hd], or tuples of per-layer [S, M, KV, hd] (unrolled)
+    key_valid: jax.Array     # [S, M] bool
+    token: jax.Array         # [S] int32 last token, the next step's input
+    code: jax.Array          # [S] uint16 code of the distribution `token` was drawn from
+    position: jax.Array      # [S] int32 M-RoPE position of `token`
+    write: jax.Array         # [S] int32 cache entry `token` goes to
+    count: jax.Array         # [S] int32 tokens generated so far
+    max_new: jax.Array       # [S] int32
+    done: jax.Array          # [S] bool: finished, released or free
+    rng: jax.Array           # [S] PRNG keys
+    sp: SamplingParams       # each field [S]
+    greedy: jax.Array        # [S] bool: temperature 0
+    eos: jax.Array           # [S, MAX_END_IDS] int32, −1 padded
+    pad: jax.Array           # [] int32 the token a done row emits (ignored)
+
+
+class Emitted(NamedTuple):
+    """What the steps drew, per slot: [S, k] (admit: [1, 1]); `top_*` [S, k, top_logprobs]."""
+    token: jax.Array
+    code: jax.Array
+    entropy: jax.Array
+    logprob: jax.Array       # log-probability of `token` under the model's distribution (before temperature)
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    live: jax.Array          # bool: the slot drew this token (else it was done)
+
+
+def _row_axis(spec: ServeSpec) -> int:
+    return 0 if spec.unroll_layers else 1
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def init_slots(cfg: ModelConfig, spec: ServeSpec, n_slots: int, max_len: int, dtype) -> Slots:
+    tc = cfg.text
+    row = (n_slots, max_len, tc.num_key_value_heads, tc.head_dim)
+    if spec.unroll_layers:
+        cache = {n: tuple(jnp.zeros(row, dtype) for _ in range(tc.num_hidden_layers)) for n in ("k", "v")}
+    else:
+        cache = {n: jnp.zeros((tc.num_hidden_layers, *row), dtype) for n in ("k", "v")}
+    zi = jnp.zeros((n_slots,), jnp.int32)
+    sp = SamplingParams(jnp.zeros((n_slots,), jnp.float32), zi, jnp.ones((n_slots,), jnp.float32),
+                        jnp.zeros((n_slots,), jnp.float32))
+    return Slots(cache, jnp.zeros((n_slots, max_len), bool), zi, zi.astype(jnp.uint16), zi, zi, zi, zi,
+                 jnp.ones((n_slots,), bool), jax.random.split(jax.random.key(0), n_slots), sp,
+                 jnp.ones((n_slots,), bool), jnp.full((n_slots, MAX_END_IDS), -1, jnp.int32), jnp.int32(0))
+
+
+def _choose(cfg: ModelConfig, spec: ServeSpec, logits, prev_code, sp: SamplingParams, greedy_rows, keys, live):
+    """logits [S, V] → (token, code, entropy, logprob, top ids, top logprobs) per row, each row with its own
+    sampling parameters and key: generate.py's choice for a row of one (greedy rows take the argmax, the
+    others `sampling.sample` with that row's values; the sort is skipped while every live row is greedy)."""
+    gspec = G.Spec(greedy=True, introspection=spec.introspection)
+    tok, code, ent = G._choose(cfg, gspec, logits, prev_code, None, None)
+    z = logits.astype(jnp.float32)
+
+    def sampled():
+        one = lambda zr, p, k, c: sample(zr[None], p, k, c[None], cfg.n_levels, spec.temperature_fn)[0]  # noqa: E731
+        return jnp.where(greedy_rows, tok, jax.vmap(one)(z, sp, keys, prev_code))
+
+    tok = jax.lax.cond(jnp.any(live & ~greedy_rows), sampled, lambda: tok)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    logprob = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - lse
+    n = spec.top_logprobs
+    if n:
+        top_lp, top_ids = jax.lax.top_k(z, n)
+        top_lp = top_lp - lse[:, None]
+    else:
+        top_lp, top_ids = jnp.zeros((z.shape[0], 0), jnp.float32), jnp.zeros((z.shape[0], 0), jnp.int32)
+    return tok, code, ent, logprob, top_ids.astype(jnp.int32), top_lp
+
+
+def _ended(tok, count, max_new, eos):
+    return (tok[:, None] == eos).any(-1) | (count >= max_new)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batch: M.Batch, next_pos,
+          sp: SamplingParams, eos, max_new, rng, shift) -> tuple[Slots, Emitted]:
+    """Prefill one request (batch of one row, left-padded to its bucket P), draw its first token as
+    `generate.prefill` does, and put it into slot `i`: its cache entries [shift, P) at [0, P − shift).
+    sp / max_new / rng: the request's (scalars); eos [MAX_END_IDS]."""
+    cache, key_valid, logits, prev = G.prompt_pass(cfg, params, batch, 0)
+    # the request is row 0 (under a mesh `generate.plan` adds dummy rows up to the batch shards)
+    cache = jax.tree.map(lambda a: a[:, :1], cache)
+    key_valid, logits, prev = key_valid[:1], logits[:1], prev[:1]
+    p = batch.input_ids.shape[1]
+    rng, key = jax.random.split(rng)
+    one = lambda x: jnp.asarray(x)[None]                                                     # noqa: E731
+    sp1 = jax.tree.map(one, sp)
+    greedy = sp.temperature <= 0
+    out = _choose(cfg, spec, logits, prev, sp1, one(greedy), key[None], jnp.ones((1,), bool))
+    tok, code = out[0][0], out[1][0]
+
+    m = slots.key_valid.shape[1]
+    c = min(p, m)
+
+    def entries(src, axis):                        # entries [shift, shift + c) of src along `axis`
+        pad = jnp.zeros(src.shape[:axis] + (c,) + src.shape[axis + 1:], src.dtype)
+        return jax.lax.dynamic_slice_in_dim(jnp.concatenate([src, pad], axis), shift, c, axis)
+
+    if spec.unroll_layers:
+        new = {n: tuple(jax.lax.dynamic_update_slice(full, entries(cache[n][layer], 1).astype(full.dtype),
+                                                     (i, 0, 0, 0))
+                        for layer, full in enumerate(slots.cache[n])) for n in ("k", "v")}
+    else:
+        new = {n: jax.lax.dynamic_update_slice(slots.cache[n], entries(cache[n], 2).astype(slots.cache[n].dtype),
+                                               (0, i, 0, 0, 0)) for n in ("k", "v")}
+    row_valid = jax.lax.dynamic_slice_in_dim(jnp.concatenate([key_valid[0], jnp.zeros((m,), bool)]), shift, m)
+    put = lambda a, x: a.at[i].set(x)                                                         # noqa: E731
+    done = _ended(tok[None], jnp.ones((1,), jnp.int32), max_new, eos[None])[0]
+    slots = Slots(new, put(slots.key_valid, row_valid), put(slots.token, tok), put(slots.code, code),
+                  put(slots.position, next_pos[0]), put(slots.write, p - shift), put(slots.count, 1),
+                  put(slots.max_new, max_new), put(slots.done, done), put(slots.rng, rng),
+                  jax.tree.map(put, slots.sp, sp), put(slots.greedy, greedy), put(slots.eos, eos), slots.pad)
+    return slots, Emitted(*(x[:, None] for x in out), jnp.ones((1, 1), bool))
+
+
+def _hidden_rows(model, spec: ServeSpec, token, code_in, position, write, key_valid, cache):
+    """One cached decode step of every row, each at its own cache entry `write`: `model.hidden` on a batch
+    of one, vmapped over the rows. Returns the final hidden [S, D] and the cache."""
+    ax = _row_axis(spec)
+
+    def one(tok, c_in, pos, w, kv, rows):
+        batch = M.Batch(tok[None, None], jnp.ones((1, 1), bool), c_in[None, None],
+                        jnp.broadcast_to(pos, (3, 1, 1)))
+        rows = jax.tree.map(lambda a: jnp.expand_dims(a, ax), rows)
+        h, rows = model.hidden(batch, rows, w, kv[None])
+        return h[0, 0], jax.tree.map(lambda a: jnp.squeeze(a, ax), rows)
+
+    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, ax), out_axes=(0, ax))(token, code_in, position, write,
+                                                                         key_valid, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
+def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict, layer_params, slots: Slots
+            ) -> tuple[Slots, Emitted]:
+    """k decode steps of every slot over cache entries [0, window); Emitted fields are [S, k].
+    `layer_params`: with `spec.unroll_layers`, the decoder layers as separate arrays (text.split_layers, made
+    once by the engine: slicing the stack here would copy every layer's weights each round on XLA:CPU)."""
+    model = M.bind(cfg, params)
+    if spec.unroll_layers:
+        unstack_layers(model.text, layer_params=layer_params)
+    ax = _row_axis(spec) + 1                                        # the cache's entry axis
+    m = slots.key_valid.shape[1]
+    cut = (lambda a: jax.lax.slice_in_dim(a, 0, window, axis=ax)) if window < m else (lambda a: a)  # noqa: E731
+    s = slots._replace(cache=jax.tree.map(cut, slots.cache), key_valid=slots.key_valid[:, :window])
+    n = s.token.shape[0]
+    rows = jnp.arange(n)
+
+    def step(s: Slots, _):
+        live = ~s.done
+        key_valid = s.key_valid.at[rows, jnp.where(live, s.write, window)].set(True, mode="drop")
+        code_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((n,), -1, jnp.int32)
+        h, cache = _hidden_rows(model, spec, s.token, code_in, s.position, jnp.minimum(s.write, window - 1),
+                                key_valid, s.cache)
+        logits = model.head(h)
+        split = jax.vmap(jax.random.split)(s.rng)
+        tok, code, ent, lp, top_ids, top_lp = _choose(cfg, spec, logits, s.code, s.sp, s.greedy, split[:, 1], live)
+        tok = jnp.where(live, tok, s.pad)
+        code = jnp.where(live, code, 0).astype(jnp.uint16)
+        count = s.count + live
+        done = s.done | (live & _ended(tok, count, s.max_new, s.eos))
+        s = s._replace(cache=cache, key_valid=key_valid, token=jnp.where(live, tok, s.token),
+                       code=jnp.where(live, code, s.code), position=s.position + live, write=s.write + live,
+                       count=count, done=done, rng=split[:, 0])
+        return s, Emitted(tok, code, jnp.where(live, ent, 0.0), lp, top_ids, top_lp, live)
+
+    s, out = jax.lax.scan(step, s, None, length=k)
+    if window < m:
+        back = lambda full, w: jax.lax.dynamic_update_slice_in_dim(full, w, 0, axis=ax)     # noqa: E731
+        s = s._replace(cache=jax.tree.map(back, slots.cache, s.cache),
+                       key_valid=jax.lax.dynamic_update_slice_in_dim(slots.key_valid, s.key_valid, 0, axis=1))
+    return s, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def release(slots: Slots, i) -> Slots:
+    """Slot i stops at once (its request was cancelled); its row is free for the next admission."""
+    return slots._replace(done=slots.done.at[i].set(True))
