@@ -28,10 +28,10 @@ fuses that into the matmul's operand (TPU) or hoists it out of the decode loop (
 
 Why not qwix's own quantized einsum (the `PtqProvider` intercepting `jnp.einsum`): it dequantizes in the
 scale's dtype, and casting its QArray to bfloat16 casts the scale — every output channel's weights then
-share one rounding error of up to 2⁻⁹. That systematic error moved every 16-bit code of the 408M benchmark
-config by ~6 levels against bfloat16 (all of them; mean −6.0); dequantizing in float32 and rounding each
-weight once moved 45 % of them, by at most 2 (mean −0.35), float32 against bfloat16 itself moving 19 %
-(measured 2026-12-02, docs/benchmarks.md). The matmul is the same weight-only one either way.
+share one rounding error of up to 2⁻⁹. On the 408M benchmark config, teacher-forced on bfloat16's greedy
+sequences, that moved every 16-bit code against bfloat16's (median 6 levels, max 8); dequantizing in float32
+and rounding each weight once moves 39 % of them, by at most 2 — bfloat16 itself moves 22 % of float32's
+(benchmarks/int8.py, 2026-12-02; docs/benchmarks.md). The matmul is the same weight-only one either way.
 
 Int8 params are for generation: training refuses them (`refuse_training`).
 """
@@ -160,7 +160,7 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, mesh=None) -> dict:
 
     out: dict = {}
     for path, var in nnx.to_flat_state(abstract_model(cfg)[1]):
-        dt = var.dtype if path[-1] in ("qvalue", "scale") else jnp.dtype(dtype)
+        dt = var.dtype if "array" in path else jnp.dtype(dtype)          # int8 values, float32 scales
         sharding = None
         if mesh is not None:
             axes = tuple(var.get_metadata().get("out_sharding"))

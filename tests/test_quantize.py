@@ -189,13 +189,14 @@ def test_plan_decode_args_are_the_int8_params(models):
     it compiles; its weights take fewer bytes than bfloat16's."""
     _, _, _, f, q = models
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    args = PL.decode_args(f.config, mesh, 2, 48, "float32", quantize="int8")
-    planned = jax.tree.map(lambda a: (a.shape, a.dtype), args[0])
-    assert planned == jax.tree.map(lambda a: (a.shape, a.dtype), q.params)
-    PL.lower_decode(f.config, mesh, 2, 48, "float32", args=args).compile()
-    bf16 = PL.bytes_per_device(PL.decode_args(f.config, mesh, 2, 48, "bfloat16")[0])
-    i8 = PL.bytes_per_device(PL.decode_args(f.config, mesh, 2, 48, "bfloat16", quantize="int8")[0])
-    assert i8 < bf16
+    qb = PrismaVL(f.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), f.params)).quantize("int8")
+    args = PL.decode_args(f.config, mesh, 2, 48, "bfloat16", quantize="int8")
+    shapes = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)   # noqa: E731
+    assert shapes(args[0]) == shapes(qb.params)
+    assert shapes(PL.decode_args(f.config, mesh, 2, 48, "float32", quantize="int8")[0]) == shapes(q.params)
+    PL.lower_decode(f.config, mesh, 2, 48, "bfloat16", args=args).compile()
+    i8, bf16 = PL.bytes_per_device(args[0]), PL.bytes_per_device(PL.decode_args(f.config, mesh, 2, 48, "bfloat16")[0])
+    assert i8 == sum(x.nbytes for x in jax.tree.leaves(qb.params)) < bf16
 
 
 def test_cli_quantize_flag(models, tmp_path, capsys):
