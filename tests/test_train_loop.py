@@ -244,6 +244,9 @@ def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys, monkeypatch)
     assert cli_main(["convert", "train-to-hf", written, str(tmp_path / "hf_written"), "--eos-token-id", "2"]) == 0
     assert filecmp.cmp(tmp_path / "hf2" / "model.safetensors", tmp_path / "hf_written" / "model.safetensors",
                        shallow=False)
+    export_mod.write_hf(want[2], cfg.model, str(tmp_path / "hf_tree"))      # params in memory (the demo's path)
+    assert filecmp.cmp(tmp_path / "hf2" / "model.safetensors", tmp_path / "hf_tree" / "model.safetensors",
+                       shallow=False)
     os.remove(os.path.join(written, "checkpoints", "2", "state", "_METADATA"))
     capsys.readouterr()
     assert cli_main(["convert", "train-to-hf", written, str(tmp_path / "z")]) != 0

@@ -8,9 +8,10 @@ whole leaf: each param array is read with tensorstore in regions of whole storag
 them, OCDBT or not, zarr v2 or v3, as `state/_METADATA` says), up to `REGION_BYTES` or one chunk, and each
 region is cut into row blocks of its Hugging Face tensors (the same name table as every other conversion,
 `params.hf_names`), which are written in place into their shard files (`safetensors_io.PieceWriter`). Peak
-memory is about twice the largest storage chunk (the compressed and the decoded chunk; Orbax's chunks are at
-most 2 GiB on a local filesystem, 400 MiB on GCS, and at most one shard of a sharded save) plus a block,
-whatever the model's size or its layer count (docs/benchmarks.md). The model config is the one the checkpoint
+memory is one chunk read, about 2–2.5 × the largest storage chunk (tensorstore holds the compressed chunk,
+the decoded one and the copy it returns; Orbax's chunks are at most 2 GiB on a local filesystem, 400 MiB on
+GCS, and at most one shard of a sharded save), plus a block, whatever the model's size or its layer count:
+5.0 GB for the full 8B's training checkpoint (docs/benchmarks.md). The model config is the one the checkpoint
 recorded (`meta.model`). Written in a staging directory, fsynced and swapped in at the end
 (conversion/staging.py).
 
