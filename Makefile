@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,tpu,tunix]"   # tpu: libtpu, for the ahead-of-time TPU compile tests
-	$(PY) -m pip install -q --no-deps google-tunix==0.1.7   # its deps: the tunix extra (README "With Tunix")
+	$(PY) -m pip install -q --no-deps google-tunix==0.1.7   # its deps: the tunix extra (docs/tunix.md)
 	touch $(STAMP)
 
 .PHONY: install test demo

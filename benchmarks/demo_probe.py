@@ -13,8 +13,7 @@ question type ("unanswerable"/"ambiguous" pooled by kind). About 80 s per 500 st
 `--types` restricts the questions to some types (a type listed twice is drawn twice as often); "answerable" then
 pools the demo's own types, when there are any, and the diagnostic types are scored apart. `--caption-share` is
 the share of training images captioned instead of questioned; `--pos-embed-std` the scale of the vision tower's
-position table (the demo's defaults; the model's own init is normal(0, 0.02)). For diagnosis (README, demo
-section).
+position table (the demo's defaults; the model's own init is normal(0, 0.02)). For diagnosis (docs/demo.md).
 """
 from __future__ import annotations
 

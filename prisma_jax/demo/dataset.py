@@ -26,7 +26,7 @@ CELL = 32
 IMAGE_SIZE = GRID * CELL
 # mid-grey: 0 after the Qwen image normalisation (mean = std = 0.5), so background pixels feed the
 # from-scratch vision tower nothing. On a light-grey background every patch is a large constant input, and
-# the tower learned no colour at any learning rate that was stable (README, demo section).
+# the tower learned no colour at any learning rate that was stable (docs/demo.md).
 BACKGROUND = (128, 128, 128)
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -38,7 +38,7 @@ KINDS = ("answerable", "unanswerable", "ambiguous")
 QUESTION_TYPES = ("color", "shape", "count_shape", "count_color", "where", "left_of", "above")
 # A caption, asked in training only: "describe the image ?" → the four cells in reading order, e.g. "red circle
 # nothing nothing blue square". It supervises the colour and shape of every cell at fixed answer positions, which
-# the questions alone do too weakly for the tower to learn shapes within the demo's budget (README, demo section).
+# the questions alone do too weakly for the tower to learn shapes within the demo's budget (docs/demo.md).
 CAPTION = "describe"
 CAPTION_SHARE = 0.5                                 # share of training images asked for a caption
 # The demo's data sizes (`prisma demo` and benchmarks/demo_probe.py default to them).

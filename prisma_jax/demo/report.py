@@ -107,7 +107,7 @@ def _fmt(x, digits=3) -> str:
 
 
 def table(summaries: dict) -> str:
-    """The Markdown table of both arms (also printed by `prisma demo` and shown in the README)."""
+    """The Markdown table of both arms (also printed by `prisma demo` and summarised in the README)."""
     lines = ["| arm | accuracy (answerable) | 'unknown' when unanswerable | a right answer when ambiguous | "
              "ECE | corr(code, correct) | AUROC(code → wrong) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -31,7 +31,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", 
 MAX_NEW_TOKENS = 4          # longest answer ("top left") + the end token, plus one
 GEN_BATCH = 100
 # The vision tower's position table is drawn at unit scale, not normal(0, 0.02): the language model then finds
-# "top left" among the four image tokens by their content (README, demo section: routing by position).
+# "top left" among the four image tokens by their content (docs/demo.md: routing by position).
 POS_EMBED_STD = 1.0
 
 
