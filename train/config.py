@@ -3,7 +3,8 @@
 A training YAML holds the model (`model:`, prisma_jax/config.py's schema) and four sections of ours:
 
     train:      steps, batch size, sequence length, accumulation, introspection passes, dtype, remat, freezing,
-                LoRA (`lora: {rank, alpha, targets, dropout}`: adapters on a frozen base; prisma_jax/lora.py)
+                LoRA (`lora: {rank, alpha, targets, dropout}`: adapters on a frozen base; prisma_jax/lora.py),
+                `logits_chunk` (the head and loss over sequence chunks: train/step.py `head_xent`)
     optimizer:  AdamW + warmup-cosine + global-norm clipping; weight decay on kernels and embedding tables
                 (token embedding, position embedding, uncertainty table), never on norm scales or biases
     data:       source (jsonl | synthetic | tiny_sft), processor directory, image size, bad-input policies
@@ -44,6 +45,7 @@ class TrainSection:
     log_every: int = 1
     mesh: object = None                 # None: one device; a preset name or {data, fsdp, tensor} (→ MeshSpec)
     lora: object = None                 # None: full fine-tuning; {rank, alpha, targets, dropout} (→ LoraSpec)
+    logits_chunk: int = 512             # tokens a chunk of the head + loss (train/step.py `head_xent`); 0 = whole S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +168,7 @@ def _check(c: Config) -> Config:
     need(t.compute_dtype in ("float32", "bfloat16"), f"train.compute_dtype must be float32 or bfloat16, "
          f"got {t.compute_dtype!r}")
     need(t.remat in REMAT_POLICIES, f"train.remat must be one of {REMAT_POLICIES}, got {t.remat!r}")
+    need(t.logits_chunk >= 0, f"train.logits_chunk must be ≥ 0 (0 = no chunks), got {t.logits_chunk}")
     bad = [g for g in t.freeze if g not in FREEZE_GROUPS]
     need(not bad, f"train.freeze: unknown group(s) {bad}; groups are {FREEZE_GROUPS}")
     if t.mesh is not None:

@@ -3,6 +3,7 @@
     for each micro-batch (lax.scan over grad_accum):
         codes ← prompt rule;  P−1 stop-gradient passes: codes ← shift_codes(code(logits))   (INTROSPECTION §4)
         last pass with gradients: logits → cross-entropy over supervised targets (sum)
+        (every pass's head + loss/entropy: `head_xent`, in sequence chunks of `train.logits_chunk`)
     grads / (supervised tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
 
 Weight decay (decoupled, AdamW's) applies to kernels and embedding tables (the uncertainty table included),
@@ -32,7 +33,8 @@ from prisma_jax.lora import is_adapter
 from prisma_jax.model import Batch, bind
 from prisma_jax.params import TABLE_PATH, init_params
 from prisma_jax.quantize import refuse_training
-from prisma_jax.uncertainty import codes_from_entropy, codes_from_logits, entropy_parts, shift_codes
+from prisma_jax.sharding import constrain
+from prisma_jax.uncertainty import codes_from_entropy, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
 
 from .config import Config
@@ -194,11 +196,12 @@ def micro(batch: TrainBatch, i) -> tuple[Batch, jax.Array]:
                   batch.geometry), batch.targets[i])
 
 
-def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
-    """Logits [b, S, V] (float32) of the last introspection pass, and the codes it was fed.
+def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
+    """(the bound model, final hidden states [b, S, D] of the last introspection pass, the codes it was fed).
 
     Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised the
-    code of pass k−1's logits there (`shift_codes`), every other position keeps the prompt rule.
+    code of pass k−1's head there (`shift_codes`), every other position keeps the prompt rule. A pass's codes
+    come from `head_xent`'s entropies, in chunks of `train.logits_chunk` like the loss.
     """
     m = cfg.model
     supervised = targets >= 0
@@ -209,10 +212,18 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
         def one_pass(c, _):
             model = bind(m, fixed, cfg.train.lora)
             h, _ = model.hidden(mb._replace(codes=c))
-            return shift_codes(mb.codes, codes_from_logits(model.head(h), m.n_bits), supervised), None
+            ent = head_xent(model, h, targets, cfg.train.logits_chunk)[1]
+            return shift_codes(mb.codes, codes_from_entropy(ent, m.text.vocab_size, m.n_bits), supervised), None
         codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)
     model = bind(m, params, cfg.train.lora)
     h, _ = model.hidden(mb._replace(codes=codes), remat_policy=remat_policy(remat))
+    return model, h, codes
+
+
+def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
+    """Logits [b, S, V] (float32) of the last introspection pass, and the codes it was fed (for inspection and
+    tests: the step itself never holds these logits whole when `train.logits_chunk` is set)."""
+    model, h, codes = _last_pass(cfg, params, mb, targets, remat)
     return model.head(h).astype(jnp.float32), codes
 
 
@@ -242,14 +253,41 @@ def _xent_bwd(res, g):
 xent_and_entropy.defvjp(_xent_fwd, _xent_bwd)
 
 
+def head_xent(model, h: jax.Array, targets: jax.Array, chunk: int = 0):
+    """The LM head and its per-position cross-entropy and entropy, [b, S] each (`xent_and_entropy` of the
+    float32 logits of `model.head(h)`, h [b, S, D]): what the loss and every introspection pass's codes take.
+
+    `chunk` > 0 and < S: the sequence is cut into chunks of `chunk` positions (the last one padded with zero
+    hidden states and target −1, its padding dropped from the result) and a `lax.map` runs the head and the
+    loss chunk by chunk, each chunk under `jax.checkpoint`: no pass, forward or backward, holds more than
+    `[b, chunk, V]` logits (MaxText's vocabulary tiling, along the sequence); the backward recomputes each
+    chunk's logits (one more head matmul) instead of keeping its softmax. The numbers are those of one chunk
+    (`chunk` 0, or ≥ S): bit for bit on each position's logits, loss and entropy when the matmul's per-row
+    order does not depend on the row count, which XLA:CPU's does not (tests/test_logits_chunk.py).
+    """
+    def one(h, t):
+        return xent_and_entropy(model.head(h).astype(jnp.float32), t)
+
+    b, s = targets.shape
+    if not chunk or chunk >= s:
+        return one(h, targets)
+    n = -(-s // chunk)
+    pad = n * chunk - s
+    hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
+    ts = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-1).reshape(b, n, chunk).swapaxes(0, 1)
+    hs = constrain(hs, (None, "batch", "seq", "embed"))
+    out = jax.lax.map(lambda x: jax.checkpoint(one, prevent_cse=False)(*x), (hs, ts))
+    return tuple(y.swapaxes(0, 1).reshape(b, n * chunk)[:, :s] for y in out)
+
+
 def _micro_loss(params, cfg: Config, mb: Batch, targets):
     """Summed cross-entropy over supervised positions, and code statistics (sums) of the last pass."""
-    logits, _ = training_logits(cfg, params, mb, targets, cfg.train.remat)    # [b, S, V] float32
+    model, h, _ = _last_pass(cfg, params, mb, targets, cfg.train.remat)
     sup = targets >= 0
-    loss, h = xent_and_entropy(logits, targets)
+    loss, ent = head_xent(model, h, targets, cfg.train.logits_chunk)
     loss_sum = jnp.sum(loss)
-    frac = codes_from_entropy(jax.lax.stop_gradient(h), logits.shape[-1], cfg.model.n_bits).astype(jnp.float32)
-    frac = frac / (cfg.model.n_levels - 1)
+    frac = codes_from_entropy(jax.lax.stop_gradient(ent), cfg.model.text.vocab_size, cfg.model.n_bits)
+    frac = frac.astype(jnp.float32) / (cfg.model.n_levels - 1)
     s = sup.astype(jnp.float32)
     stats = {"code_sum": jnp.sum(frac * s), "code_low": jnp.sum((frac < LOW) * s),
              "code_high": jnp.sum((frac > HIGH) * s)}
