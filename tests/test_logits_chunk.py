@@ -123,7 +123,8 @@ def test_logits_chunk_must_not_be_negative():
 
 def test_train_loop_with_chunks_equals_whole_logits(tmp_path):
     """`prisma train` on tiny_sft (images, P = 2) for 4 steps, seq 40 in chunks of 16 (the last padded), against
-    the same run on whole logits: every logged metric equal within float32 round-off of the gradient sums."""
+    the same run on whole logits: every logged metric equal within 1e-6 relative (measured: losses and code
+    statistics bit for bit, grad_norm within 6e-8: the head's gradient is summed chunk by chunk)."""
     from prisma_jax.cli import main as cli
 
     def metrics(chunk):
@@ -136,5 +137,5 @@ def test_train_loop_with_chunks_equals_whole_logits(tmp_path):
     a, b = metrics(0), metrics(16)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
     for k in ("loss", "grad_norm", "code_mean", "code_low", "code_high", "tokens", "lr"):
-        np.testing.assert_allclose([m[k] for m in b], [m[k] for m in a], rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose([m[k] for m in b], [m[k] for m in a], rtol=1e-6, err_msg=k)
     assert a[-1]["loss"] < a[0]["loss"]
