@@ -261,9 +261,9 @@ def head_xent(model, h: jax.Array, targets: jax.Array, chunk: int = 0):
     hidden states and target −1, its padding dropped from the result) and a `lax.map` runs the head and the
     loss chunk by chunk, each chunk under `jax.checkpoint`: no pass, forward or backward, holds more than
     `[b, chunk, V]` logits (MaxText's vocabulary tiling, along the sequence); the backward recomputes each
-    chunk's logits (one more head matmul) instead of keeping its softmax. The numbers are those of one chunk
-    (`chunk` 0, or ≥ S): bit for bit on each position's logits, loss and entropy when the matmul's per-row
-    order does not depend on the row count, which XLA:CPU's does not (tests/test_logits_chunk.py).
+    chunk's logits (one more head matmul) instead of keeping its softmax. Each position's logits, loss and
+    entropy are computed as without chunks (on XLA:CPU the codes and losses come out bit for bit); gradients
+    differ by the order in which the head's is summed (tests/test_logits_chunk.py: within 1e-6 relative).
     """
     def one(h, t):
         return xent_and_entropy(model.head(h).astype(jnp.float32), t)
