@@ -45,7 +45,7 @@ class TrainSection:
     log_every: int = 1
     mesh: object = None                 # None: one device; a preset name or {data, fsdp, tensor} (→ MeshSpec)
     lora: object = None                 # None: full fine-tuning; {rank, alpha, targets, dropout} (→ LoraSpec)
-    logits_chunk: int = 512             # tokens a chunk of the head + loss (train/step.py `head_xent`); 0 = whole S
+    logits_chunk: int = 0               # tokens a chunk of the head + loss (train/step.py `head_xent`); 0 = whole S
 
 
 @dataclasses.dataclass(frozen=True)
