@@ -139,3 +139,17 @@ def test_train_loop_with_chunks_equals_whole_logits(tmp_path):
     for k in ("loss", "grad_norm", "code_mean", "code_low", "code_high", "tokens", "lr"):
         np.testing.assert_allclose([m[k] for m in b], [m[k] for m in a], rtol=1e-6, err_msg=k)
     assert a[-1]["loss"] < a[0]["loss"]
+
+
+def test_plan_prints_the_option():
+    """`prisma plan`'s training line names the chunk, or says the logits are whole (0, or a chunk ≥ seq)."""
+    from prisma_jax import plan
+    from prisma_jax.sharding import MeshSpec, Preset
+    p = Preset("fake-1", 1, 95, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    for chunk, want in [(512, "logits chunk 512 tokens"), (0, "logits chunk off (whole sequence)"),
+                        (2048, "logits chunk off (whole sequence)")]:
+        cfg = plan.train_config(tiny, 1, 1024, [f"train.logits_chunk={chunk}"], images=0)
+        r = {"mesh": "data=1 fsdp=1 tensor=1", "batch": 1, "seq": 1024, "memory": plan.Memory(1, 0, 0, 0, 0),
+             "flops": plan.train_flops(cfg.model, 1, 1024), "fits": True, "seconds": 0.0}
+        assert want in plan.format_train(r, p, cfg)
