@@ -1,7 +1,7 @@
 """`prisma generate`: chat prompts (and images) in, answers and their uncertainty codes out.
 
     prisma generate --model DIR --prompt "Describe this image." --image cat.png [--prompt ...] [--json]
-                    [--quantize int8]
+                    [--quantize int8] [--mesh v5p-8 | data=2,fsdp=1,tensor=4]
 
 The tokenizer, chat template and image processor come from DIR (offline, processing.py); several `--prompt`s
 make one left-padded batch; each `--image` belongs to the `--prompt` before it (the first if none precedes).
@@ -12,6 +12,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+
+MESH_HELP = ("shard the model over devices: a preset (its generation mesh: sharding.PRESETS) or axis sizes "
+             "such as data=2,tensor=4 (unnamed axes: fsdp takes the rest); default one device")
+
+
+def parse_mesh(text: str | None):
+    """`--mesh` (of `prisma generate` and `prisma eval`) → a `sharding.MeshSpec`, or None for one device: a
+    preset name gives its generation mesh, `data=2,fsdp=1,tensor=4` the sizes named (`MeshSpec.parse` fills
+    the rest)."""
+    from .sharding import PRESETS, MeshSpec
+
+    if text is None:
+        return None
+    if text in PRESETS:
+        return PRESETS[text].generate
+    sizes = {}
+    for part in text.split(","):
+        k, eq, v = part.partition("=")
+        if not eq or not v.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh {text!r}: expected a preset ({', '.join(PRESETS)}) or axis sizes such as "
+                             "data=2,fsdp=1,tensor=4")
+        sizes[k.strip()] = int(v)
+    return MeshSpec.parse(sizes)
 
 
 class _ImageAction(argparse.Action):
@@ -39,6 +63,7 @@ def add_parser(subparsers) -> None:
 
     p.add_argument("--quantize", default=None, choices=MODES,
                    help="int8 weight-only kernels (the decoder's projections and lm_head; quantize.py)")
+    p.add_argument("--mesh", default=None, help=MESH_HELP)
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="an Orbax --model: skip checking the crc32s its conversion recorded")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
@@ -55,6 +80,7 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
     check_sampling(args.temperature, args.top_k, args.top_p, args.uncertainty_power)
+    mesh = parse_mesh(args.mesh)
     proc = Processor.from_pretrained(args.model)
     per_prompt: list[list] = [[] for _ in args.prompt]
     for owner, path in args.image:
@@ -70,7 +96,8 @@ def run(args) -> int:
     from .api import PrismaVL
     if args.compilation_cache:
         enable_compilation_cache(args.compilation_cache)
-    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype, verify=args.verify, quantize=args.quantize)
+    model = PrismaVL.from_pretrained(args.model, dtype=args.dtype, verify=args.verify, quantize=args.quantize,
+                                     mesh=mesh)
     eos = model.generation_config.get("eos_token_id", proc.ids["eos_token_id"])
     pad = model.generation_config.get("pad_token_id", proc.pad_token_id)
     res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), enc.get("image_grid_thw"),

@@ -133,6 +133,36 @@ def load_image(image):
     raise ValueError(f"unsupported image {type(image).__name__}: expected a PIL image, a path or [H, W, 3] uint8")
 
 
+def resolve_messages(messages: list, where: str, base: str) -> list[str]:
+    """Check a JSONL conversation (`prisma train` and `prisma eval` data: docs/training.md) and make its image
+    paths absolute, in place: relative paths are resolved against `base` (the JSONL file's folder) and must
+    exist. Returns the image paths in order; a problem → ValueError starting with `where` (file:line)."""
+    out = []
+    for j, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES or "content" not in msg:
+            raise ValueError(f"{where}: messages[{j}] must be an object with role in {ROLES} and content")
+        content = msg["content"]
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"{where}: messages[{j}].content must be a string or a list of items")
+        for item in content:
+            if not isinstance(item, dict) or item.get("type") not in ("text", "image"):
+                raise ValueError(f"{where}: messages[{j}] has an item that is not {{type: text|image}}")
+            if item["type"] == "image":
+                p = item.get("image", item.get("path"))
+                if not isinstance(p, str):
+                    raise ValueError(f"{where}: messages[{j}] image item needs a local path in 'image'")
+                p = p if os.path.isabs(p) else os.path.join(base, p)
+                if not os.path.isfile(p):
+                    raise ValueError(f"{where}: image not found: {p}")
+                item["image"] = p
+                out.append(p)
+            elif not isinstance(item.get("text"), str):
+                raise ValueError(f"{where}: messages[{j}] text item needs a string 'text'")
+    return out
+
+
 def _message_images(conversation: list[dict]) -> list:
     out = []
     for msg in conversation:

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from prisma_jax.inputs import prepare
+from prisma_jax.processing import resolve_messages
 from prisma_jax.vision import VisionGeometry, vision_geometry
 
 from .config import Config
@@ -82,36 +83,6 @@ def _fail(policy: str, info: DataInfo, msg: str):
     if policy == "error":
         raise ValueError(msg)
     info.skipped_malformed += 1
-
-
-def _message_images(messages: list, where: str, base: str) -> list[str]:
-    roles = ("system", "user", "assistant")
-    out = []
-    for j, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in roles or "content" not in msg:
-            raise ValueError(f"{where}: messages[{j}] must be an object with role in {roles} and content")
-        content = msg["content"]
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise ValueError(f"{where}: messages[{j}].content must be a string or a list of items")
-        for item in content:
-            if not isinstance(item, dict) or item.get("type") not in ("text", "image"):
-                raise ValueError(f"{where}: messages[{j}] has an item that is not {{type: text|image}}")
-            if item["type"] == "image":
-                p = item.get("image", item.get("path"))
-                if not isinstance(p, str):
-                    raise ValueError(f"{where}: messages[{j}] image item needs a local path in 'image'")
-                p = p if os.path.isabs(p) else os.path.join(base, p)
-                if not os.path.isfile(p):
-                    raise ValueError(f"{where}: image not found: {p}")
-                item["image"] = p
-                out.append(p)
-            elif not isinstance(item.get("text"), str):
-                raise ValueError(f"{where}: messages[{j}] text item needs a string 'text'")
-    if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant message (nothing to supervise)")
-    return out
 
 
 def mark_loss(messages: list, where: str) -> tuple[list, list[bool]]:
@@ -202,7 +173,9 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
             try:
                 if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or not rec["messages"]:
                     raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
-                images = _message_images(rec["messages"], where, base)
+                images = resolve_messages(rec["messages"], where, base)
+                if not any(m.get("role") == "assistant" for m in rec["messages"]):
+                    raise ValueError(f"{where}: no assistant message (nothing to supervise)")
                 if len(images) > d.max_images:
                     raise ValueError(f"{where}: {len(images)} images, more than data.max_images = {d.max_images}")
             except ValueError as e:
