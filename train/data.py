@@ -178,10 +178,6 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
                     raise ValueError(f"{where}: no assistant message (nothing to supervise)")
                 if len(images) > d.max_images:
                     raise ValueError(f"{where}: {len(images)} images, more than data.max_images = {d.max_images}")
-            except ValueError as e:
-                _fail(d.on_malformed, info, str(e))
-                continue
-            try:
                 messages, span_loss = mark_loss(rec["messages"], where)
             except ValueError as e:
                 _fail(d.on_malformed, info, str(e))
