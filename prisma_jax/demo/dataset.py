@@ -207,6 +207,15 @@ def conversation(image_path: str, question: str, answer: str | None = None) -> l
     return msgs
 
 
+def eval_item(record: dict) -> dict:
+    """A held-out question as a `prisma eval` item (docs/eval.md): the prompt, the label as the reference,
+    unanswerable questions expecting the abstention text "unknown", the kind as the group; the question, its type
+    and every right answer ride along (the eval answer row's `meta`)."""
+    return {"id": record["id"], "messages": conversation(record["image"], record["question"]),
+            "answer": record["label"], "answerable": record["kind"] != "unanswerable", "group": record["kind"],
+            "question": record["question"], "type": record["type"], "answers": record["answers"]}
+
+
 def make_split(directory: str, name: str, n_images: int, questions_per_image: int, seed: int,
                kind_weights=(0.7, 0.15, 0.15), caption_share: float = 0.0) -> list[dict]:
     """Render `n_images` scenes to `directory/images/` and return one record per question — for a share
