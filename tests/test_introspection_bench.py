@@ -36,7 +36,10 @@ def test_t_distribution_against_tables_and_scipy():
     assert ST.betainc(2.0, 3.0, 0.4) == pytest.approx(0.5248, abs=1e-12)   # 1 − Σ_{j<2} C(4,j)·0.4^j·0.6^(4−j)
 
 
-def test_mean_ci_by_hand():
+@pytest.mark.parametrize("with_scipy", [True, False])
+def test_mean_ci_by_hand(monkeypatch, with_scipy):
+    if not with_scipy:                                   # the module's own t distribution
+        monkeypatch.setattr(ST, "_scipy_t", lambda: None)
     ci = ST.mean_ci(A)
     sd = math.sqrt(sum((x - 0.95) ** 2 for x in A) / 4)                   # 0.015811…
     assert ci["mean"] == pytest.approx(0.95) and ci["sd"] == pytest.approx(sd) and ci["n"] == 5
@@ -47,7 +50,10 @@ def test_mean_ci_by_hand():
     assert math.isnan(ST.mean_ci([0.5])["half"])
 
 
-def test_paired_t_by_hand_and_against_scipy():
+@pytest.mark.parametrize("with_scipy", [True, False])
+def test_paired_t_by_hand_and_against_scipy(monkeypatch, with_scipy):
+    if not with_scipy:
+        monkeypatch.setattr(ST, "_scipy_t", lambda: None)
     r = ST.paired_t(A, B)
     d = [0.02, 0.0, 0.04, -0.01, 0.04]
     sd = math.sqrt(sum((x - 0.018) ** 2 for x in d) / 4)                  # √(2.08e-3 / 4)

@@ -52,13 +52,19 @@ def betainc(a: float, b: float, x: float) -> float:
     return 1.0 - front * _betacf(b, a, 1.0 - x) / b
 
 
-def t_cdf(t: float, df: float) -> float:
-    """P(T ≤ t) for Student's t with `df` degrees of freedom: 1 − ½ I_{df/(df+t²)}(df/2, ½) for t ≥ 0."""
+def _scipy_t():
+    """scipy's t distribution, or None without scipy (not a dependency of prisma-jax)."""
     try:
         from scipy import stats
-        return float(stats.t.cdf(t, df))
     except ImportError:
-        return _t_cdf(t, df)
+        return None
+    return stats.t
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T ≤ t) for Student's t with `df` degrees of freedom: 1 − ½ I_{df/(df+t²)}(df/2, ½) for t ≥ 0."""
+    dist = _scipy_t()
+    return _t_cdf(t, df) if dist is None else float(dist.cdf(t, df))
 
 
 def _t_cdf(t: float, df: float) -> float:
@@ -70,11 +76,8 @@ def _t_cdf(t: float, df: float) -> float:
 
 def t_ppf(q: float, df: float) -> float:
     """The q-quantile of Student's t with `df` degrees of freedom."""
-    try:
-        from scipy import stats
-        return float(stats.t.ppf(q, df))
-    except ImportError:
-        return _t_ppf(q, df)
+    dist = _scipy_t()
+    return _t_ppf(q, df) if dist is None else float(dist.ppf(q, df))
 
 
 def _t_ppf(q: float, df: float) -> float:
