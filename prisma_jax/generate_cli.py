@@ -15,7 +15,7 @@ import sys
 
 
 MESH_HELP = ("shard the model over devices: a preset (its generation mesh: sharding.PRESETS) or axis sizes "
-             "such as data=2,tensor=4 (unnamed axes: fsdp takes the rest); default one device")
+             "such as data=2,tensor=4 (axes left out are 1, but fsdp takes the remaining devices); default one device")
 
 
 def parse_mesh(text: str | None):

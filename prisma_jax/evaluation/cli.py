@@ -18,8 +18,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory, HF or Orbax (weights, tokenizer, processor)")
     p.add_argument("--data", required=True, help="JSONL items: messages, answer, answerable (docs/eval.md)")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
-    p.add_argument("--batch", type=int, default=BATCH, help="items generated at once (the last batch is padded)")
-    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--batch", type=int, default=BATCH, help=f"items generated at once (default {BATCH}; the last batch is padded)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help=f"per answer (default {MAX_NEW_TOKENS})")
     p.add_argument("--abstain-text", default=ABSTAIN_TEXT,
                    help="the expected answer of items with \"answerable\": false")
     from ..generate_cli import MESH_HELP
