@@ -84,7 +84,8 @@ def settings(args) -> dict:
     from prisma_jax.demo import run as R
     return {"config": os.path.abspath(args.config or R.DEFAULT_CONFIG), "steps": args.steps,
             "label_steps": args.label_steps, "label_lr": args.label_lr, "label_questions": args.label_questions,
-            "train_images": args.train_images or D.TRAIN_IMAGES, "heldout_images": args.heldout_images or D.HELDOUT_IMAGES,
+            "train_images": args.train_images or D.TRAIN_IMAGES,
+            "heldout_images": args.heldout_images or D.HELDOUT_IMAGES,
             "questions_per_image": args.questions_per_image or D.QUESTIONS_PER_IMAGE, "overrides": list(args.overrides)}
 
 
@@ -182,13 +183,16 @@ def _ci(c: dict) -> str:
     return f"{fmt(c['mean'])} ± {fmt(c['half'])}"
 
 
-def markdown(results: list[dict], summary: dict, st: dict, command: str, started: str, wall: float) -> str:
+def markdown(results: list[dict], summary: dict, st: dict, command: str, started: str) -> str:
     """OUT/introspection.md: the comparison table, the per-seed table and how they were made."""
     seeds = [r["seed"] for r in results]
     k = len(seeds)
+    wall = sum(r["wall_time_s"] for r in results)                # the seeds' own times, resumed runs included
     lines = [f"{started}, `{command}`: {k} seeds ({', '.join(map(str, seeds))}) per arm, "
              f"{results[0]['steps']} QA steps and {st['label_steps']} self-label steps (lr {st['label_lr']}) per arm, "
-             f"{st['train_images']} training images, {st['heldout_images']} held-out; {wall / 60:.0f} min.", "",
+             f"{st['train_images']} training images, {st['heldout_images']} held-out; "
+             f"{wall / 60:.0f} min of seed runs.",
+             "",
              f"| metric | better | feedback (mean ± 95 % CI) | no feedback | feedback − no feedback | paired t p | "
              f"sign-flip p (min {2 / 2 ** k:.3f}) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for part, metrics, title in (("qa", QA_METRICS, "QA"), ("selflabel", WORD_METRICS, "self-label")):
@@ -250,7 +254,7 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     prog.stage("summary: introspection.md, results.json")
     summary = summarize(results)
-    md = markdown(results, summary, st, command, started, time.perf_counter() - t0)
+    md = markdown(results, summary, st, command, started)
     for name, text in (("introspection.md", md), ("results.json", json.dumps(json_safe(
             {"settings": st, "command": command, "started": started, "summary": summary, "seeds": results}),
             indent=2))):

@@ -232,8 +232,8 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
 def xent_and_entropy(logits: jax.Array, targets: jax.Array):
     """Per-position cross-entropy [b, S] (0 where targets < 0: IGNORE and NO_LOSS) and entropy [b, S] (no
     gradient) of float32 logits [b, S, V], from one exp pass over the vocabulary (`entropy_parts`); the backward
-    reuses that pass's softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made XLA:CPU run
-    three exp passes over [b, S, V] per step."""
+    reuses that pass's softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made
+    XLA:CPU run three exp passes over [b, S, V] per step."""
     return _xent_fwd(logits, targets)[0]
 
 
