@@ -2,10 +2,13 @@
 
     prisma generate --model DIR --prompt "Describe this image." --image cat.png [--prompt ...] [--json]
                     [--quantize int8] [--mesh v5p-8 | data=2,fsdp=1,tensor=4]
+                    [--abstain-above TAU [--abstain-text TEXT]]
 
 The tokenizer, chat template and image processor come from DIR (offline, processing.py); several `--prompt`s
 make one left-padded batch; each `--image` belongs to the `--prompt` before it (the first if none precedes).
-Everything is checked (files, images, sampling values, lengths) before anything is compiled.
+Everything is checked (files, images, sampling values, lengths, TAU) before anything is compiled.
+`--abstain-above TAU`: a prompt whose answer reaches a token with code > TAU stops there and is answered with
+`--abstain-text` (docs/generation.md#abstention); `--json` says which (`abstained`, `abstain_step`).
 """
 from __future__ import annotations
 
@@ -68,7 +71,14 @@ def add_parser(subparsers) -> None:
                    help="an Orbax --model: skip checking the crc32s its conversion recorded")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persist compiled programs here across runs")
-    p.add_argument("--json", action="store_true", help="print tokens, text, codes and entropies as JSON")
+    from .generate import ABSTAIN_TEXT
+
+    p.add_argument("--abstain-above", type=int, default=None, metavar="TAU",
+                   help="stop a row at its first token whose code exceeds TAU (0 ≤ TAU < 2**n_bits) and "
+                        "answer it with --abstain-text")
+    p.add_argument("--abstain-text", default=ABSTAIN_TEXT, help=f"an abstaining row's answer ({ABSTAIN_TEXT!r})")
+    p.add_argument("--json", action="store_true",
+                   help="print tokens, text, codes, entropies and abstained / abstain_step as JSON")
     p.set_defaults(func=run)
 
 
@@ -103,14 +113,15 @@ def run(args) -> int:
     res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), enc.get("image_grid_thw"),
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, eos_token_id=eos, pad_token_id=pad,
-                         uncertainty_power=args.uncertainty_power, return_entropies=True)
+                         uncertainty_power=args.uncertainty_power, return_entropies=True,
+                         abstain_above=args.abstain_above, abstain_text=args.abstain_text)
     out = []
-    for i, prompt in enumerate(args.prompt):
+    for i, (prompt, text) in enumerate(zip(args.prompt, res.texts(proc))):
         n = int(res.lengths[i])
-        toks = res.tokens[i, :n].tolist()
-        out.append({"prompt": prompt, "text": proc.decode(toks), "tokens": toks,
+        out.append({"prompt": prompt, "text": text, "tokens": res.tokens[i, :n].tolist(),
                     "codes": res.codes[i, :n].tolist(),
-                    "entropies": [round(float(x), 6) for x in res.entropies[i, :n]]})
+                    "entropies": [round(float(x), 6) for x in res.entropies[i, :n]],
+                    "abstained": bool(res.abstained[i]), "abstain_step": int(res.abstain_step[i])})
     if args.json:
         json.dump(out if len(out) > 1 else out[0], sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -191,8 +191,9 @@ def test_answers_equal_generate_run_directly(run):
         z = logits.astype(np.float64)
         p = np.exp(z - z.max(-1, keepdims=True))
         p = (p / p.sum(-1, keepdims=True))[np.arange(len(toks)), toks]
-        np.testing.assert_allclose(r["probs"], p, rtol=1e-9)
-        assert math.isclose(r["confidence"], float(np.prod(p)), rel_tol=1e-9) and r["code"] == max(codes.tolist())
+        np.testing.assert_allclose(r["probs"], p, rtol=1e-5)     # float32 log-softmax in the loop vs float64 here
+        assert math.isclose(r["confidence"], float(np.prod(r["probs"])), rel_tol=1e-12)
+        assert math.isclose(r["confidence"], float(np.prod(p)), rel_tol=1e-4) and r["code"] == max(codes.tolist())
         assert r["ended"] == (toks[-1] == 2)
         assert r["prediction"] == proc.decode(toks[:-1] if r["ended"] else toks).strip()
         ref = item.get("answer", run["abstain"])

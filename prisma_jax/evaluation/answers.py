@@ -4,7 +4,8 @@ Items go through `PrismaVL.generate` `batch` at a time; the last batch is padded
 (whose answers are dropped), so every batch has one shape and, with generate's prompt and output buckets, one
 compiled program serves all of them (one per prompt bucket). A row's `codes[t]` is the code of the distribution
 its token t was drawn from — the value fed back with that token (docs/introspection-contract.md §2–3) — and
-`probs[t]` that distribution's probability of the token. The answer's `confidence` is the product of `probs`
+`probs[t]` that distribution's probability of the token (from generate's `return_logprobs`, computed in the
+decode loop, so no [B, T, V] logits leave the device). The answer's `confidence` is the product of `probs`
 and its `code` the largest of `codes`, the end token's included.
 
 Not here: reading items (items.py), the metrics (metrics.py).
@@ -23,14 +24,6 @@ def end_ids(model, processor) -> list[int]:
     return [int(e) for e in np.ravel(eos)]
 
 
-def token_probs(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """softmax(logits[t])[tokens[t]] for each step t, in float64 (logits [T, V])."""
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z[np.arange(len(tokens)), tokens] - np.log(np.exp(z).sum(-1))
-    return np.exp(logp)
-
-
 def answer_items(model, processor, items: list[Item], batch: int, max_new_tokens: int, progress=None) -> list[dict]:
     """One answers.jsonl row per item (docs/eval.md): the prediction, whether it matches the reference, its
     confidence and code, and its trace. `progress`: anything with `update(n)` (a tqdm bar)."""
@@ -44,13 +37,13 @@ def answer_items(model, processor, items: list[Item], batch: int, max_new_tokens
         enc = processor(messages=convs, add_generation_prompt=True)
         res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"),
                              enc.get("image_grid_thw"), max_new_tokens=max_new_tokens, temperature=0.0,
-                             eos_token_id=eos, pad_token_id=pad, return_logits=True)
+                             eos_token_id=eos, pad_token_id=pad, return_logprobs=True)
         for i, it in enumerate(chunk):
             n = int(res.lengths[i])
             ids = res.tokens[i, :n]
             ended = n > 0 and int(ids[-1]) in eos
             prediction = processor.decode(ids[:-1] if ended else ids).strip()
-            probs = token_probs(res.logits[i, :n], ids)
+            probs = np.exp(res.logprobs[i, :n].astype(np.float64))
             codes = [int(c) for c in res.codes[i, :n]]
             rows.append({
                 "index": it.index, "id": it.id, "group": it.group, "answerable": it.answerable,

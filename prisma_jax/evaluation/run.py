@@ -18,8 +18,8 @@ from . import metrics as MET
 from . import plots
 from .answers import answer_items
 from .items import read_items
+from ..generate import ABSTAIN_TEXT
 
-ABSTAIN_TEXT = "I don't know"
 BATCH = 8
 MAX_NEW_TOKENS = 32
 
