@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..evaluation.answers import end_ids, token_probs
+from ..evaluation.answers import end_ids
 from ..evaluation.metrics import auroc, normalize
 from . import dataset as D
 
@@ -74,7 +74,8 @@ def word_rows(model, processor, items: list, batch: int, max_new_tokens: int) ->
         for i, it in enumerate(chunk):
             ids = [int(t) for t in res.tokens[i, :int(res.lengths[i])]]
             k = next((t for t, x in enumerate(ids) if x in (sure, unsure, *eos)), len(ids) - 1)
-            p_sure, p_unsure = token_probs(np.stack([res.logits[i, k]] * 2), np.array([sure, unsure]))
+            z = res.logits[i, k].astype(np.float64)                   # the word's distribution, in float64
+            p_sure, p_unsure = np.exp(z[[sure, unsure]] - z.max()) / np.exp(z - z.max()).sum()
             answer = processor.decode(ids[:k]).strip()
             codes = [int(c) for c in res.codes[i, :k]]
             rows.append({"index": it.index, "id": it.id, "group": it.group, "reference": it.reference,
