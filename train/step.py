@@ -2,8 +2,8 @@
 
     for each micro-batch (lax.scan over grad_accum):
         codes ← prompt rule;  P−1 stop-gradient passes: codes ← shift_codes(code(logits))   (INTROSPECTION §4)
-        last pass with gradients: logits → cross-entropy over supervised targets (sum)
-    grads / (supervised tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
+        last pass with gradients: logits → cross-entropy over learned targets (sum; NO_LOSS feeds codes only)
+    grads / (learned tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
 
 Weight decay (decoupled, AdamW's) applies to kernels and embedding tables (the uncertainty table included),
 never to norm scales or biases, chosen by leaf name (`decay_mask`), so stacked layers change nothing.
@@ -38,6 +38,16 @@ from prisma_jax.vision import VisionGeometry
 from .config import Config
 
 LOW, HIGH = 0.25, 0.75   # code summary thresholds, as fractions of the code range [0, L−1]
+# Target values that are not a token id. IGNORE: the position is not supervised (prompt, padding): no loss, and its
+# logits' code is not fed to the next position (the prompt rule stays there). NO_LOSS: the next token is part of a
+# reply but not learned (`"loss": false` in the data, train/data.py): no loss and no gradient, yet its code is fed
+# to the next position as generation would feed it (docs/introspection-contract.md §4).
+IGNORE, NO_LOSS = -1, -2
+
+
+def feeds_code(targets: jax.Array) -> jax.Array:
+    """Where a position's code reaches the next position in passes ≥ 2: a learned target or NO_LOSS."""
+    return (targets >= 0) | (targets == NO_LOSS)
 
 
 class TrainBatch(NamedTuple):
@@ -46,7 +56,8 @@ class TrainBatch(NamedTuple):
     attention_mask: jax.Array   # [A, b, S] bool
     codes: jax.Array            # [A, b, S] int32 prompt-rule codes (−1 = none)
     positions: jax.Array        # [A, 3, b, S] int32 M-RoPE positions
-    targets: jax.Array          # [A, b, S] int32 next-token target of each position, −1 = not supervised
+    targets: jax.Array          # [A, b, S] int32 next-token target of each position: IGNORE (−1) = not
+    #                             supervised, NO_LOSS (−2) = not learned but its code fed on (`feeds_code`)
     pixel_values: jax.Array | None = None   # [A, b, max_images·patches, C·T·P·P] each row's image slots
     geometry: VisionGeometry | None = None  # of one row's slots: the same for every row, micro-batch and host
 
@@ -197,11 +208,12 @@ def micro(batch: TrainBatch, i) -> tuple[Batch, jax.Array]:
 def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
     """Logits [b, S, V] (float32) of the last introspection pass, and the codes it was fed.
 
-    Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised the
-    code of pass k−1's logits there (`shift_codes`), every other position keeps the prompt rule.
+    Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised (a
+    learned target or NO_LOSS: `feeds_code`) the code of pass k−1's logits there (`shift_codes`), every other
+    position keeps the prompt rule.
     """
     m = cfg.model
-    supervised = targets >= 0
+    supervised = feeds_code(targets)
     codes = mb.codes
     if cfg.train.introspection_passes > 1:
         fixed = jax.lax.stop_gradient(params)
@@ -218,10 +230,10 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
 
 @jax.custom_vjp
 def xent_and_entropy(logits: jax.Array, targets: jax.Array):
-    """Per-position cross-entropy [b, S] (0 where targets < 0) and entropy [b, S] (no gradient) of float32
-    logits [b, S, V], from one exp pass over the vocabulary (`entropy_parts`); the backward reuses that pass's
-    softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made XLA:CPU run
-    three exp passes over [b, S, V] per step."""
+    """Per-position cross-entropy [b, S] (0 where targets < 0: IGNORE and NO_LOSS) and entropy [b, S] (no
+    gradient) of float32 logits [b, S, V], from one exp pass over the vocabulary (`entropy_parts`); the backward
+    reuses that pass's softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made
+    XLA:CPU run three exp passes over [b, S, V] per step."""
     return _xent_fwd(logits, targets)[0]
 
 

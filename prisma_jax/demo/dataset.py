@@ -49,13 +49,17 @@ NOTHING = "nothing"
 PROBE_TYPES = ("what",)
 PROBE_WORDS = ("at",)
 
+# The self-labelled confidence experiment (benchmarks/introspection.py, prisma_jax/demo/selflabel.py) appends one
+# of these after the model's own answer: "sure" when that answer was right, "unsure" when it was wrong.
+SURE, UNSURE = "sure", "unsure"
+
 # Every word the task can produce (questions and answers), in a fixed order: the tokenizer built from it
 # (prisma_jax.processing.build_tokenizer adds the special tokens and chat roles) never changes.
 VOCABULARY = (
     "what", "color", "shape", "is", "the", "object", "objects", "how", "many", "are", "there", "where", "left", "of",
     "above", "?",
     *COLORS, *SHAPES, *PLURAL.values(), *ROWS, "right", "yes", "no", UNKNOWN,
-    *[str(n) for n in range(GRID * GRID + 1)], CAPTION, "image", NOTHING,
+    *[str(n) for n in range(GRID * GRID + 1)], CAPTION, "image", NOTHING, SURE, UNSURE,
 )
 
 

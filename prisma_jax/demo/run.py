@@ -96,6 +96,25 @@ def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_
     return out
 
 
+def train_command(config: str, workdir: str, steps: int, data: str, tok_dir: str, init: str, arm: str,
+                  overrides=()) -> list[str]:
+    """One arm's `prisma train` argv (for `train_arms`): the training config on `data` with the demo tokenizer,
+    from the checkpoint `init`; the no-feedback arm freezes the uncertainty table (`train.freeze=[uncertainty]`,
+    after the overrides, so that nothing undoes it)."""
+    argv = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps), "--no-progress",
+            f"data.path={data}", f"data.processor={tok_dir}", f"train.init={init}", f"train.steps={steps}",
+            *overrides]
+    return argv + (["train.freeze=[uncertainty]"] if arm == "no_feedback" else [])
+
+
+def export_hf(workdir: str, hf_dir: str, tok_dir: str, eos_id: int, pad_id: int) -> str:
+    """`prisma convert train-to-hf` of a finished run, the demo tokenizer included: a Hugging Face checkpoint that
+    `PrismaVL.from_pretrained`, `prisma eval` and `train.init` all take. Returns `hf_dir`."""
+    cli(["convert", "train-to-hf", workdir, hf_dir, "--processor", tok_dir, "--eos-token-id", str(eos_id),
+         "--pad-token-id", str(pad_id)])
+    return hf_dir
+
+
 # Both arms train at once, one process each with one XLA thread on its share of the cores: the tiny model's ops
 # do not split well over cores, and on 2 cores two such runs take 65 ms a step each where one two-threaded run
 # takes 44 ms (docs/benchmarks.md) — 8,000 steps per arm in the time of 5,900 one after the other.
@@ -237,13 +256,8 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
         items = os.path.join(data_dir, "heldout_eval.jsonl")          # the held-out questions as eval items
         D.write_jsonl(items, [D.eval_item(r) for r in heldout])
         workdirs = {arm: os.path.join(tmp, "runs", arm) for arm in ARMS}
-        commands = {}
-        for arm, workdir in workdirs.items():
-            commands[arm] = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps), "--no-progress",
-                             f"data.path={info['train']}", f"data.processor={tok_dir}", f"train.init={inits[arm]}",
-                             f"train.steps={steps}", *overrides]
-            if arm == "no_feedback":
-                commands[arm].append("train.freeze=[uncertainty]")
+        commands = {arm: train_command(config, workdir, steps, info["train"], tok_dir, inits[arm], arm, overrides)
+                    for arm, workdir in workdirs.items()}
         prog.stage(f"train both arms at once, {steps} steps each (logs: runs/train_<arm>.log)")
         for arm, args in commands.items():
             shown = " ".join(a if "=" not in a else a.split("=")[0] + "=…" for a in args)
@@ -254,9 +268,7 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
             hf_dir = os.path.join(tmp, "checkpoints", f"{arm}_hf")
             orbax_dir = os.path.join(tmp, "checkpoints", f"{arm}_orbax")
             prog.stage(f"convert [{arm}]: trained params → {os.path.basename(hf_dir)} → prisma convert hf-to-orbax")
-            cli(["convert", "train-to-hf", workdir, hf_dir, "--processor", tok_dir, "--eos-token-id", str(eos),
-                 "--pad-token-id", str(pad)])
-            cli(["convert", "hf-to-orbax", hf_dir, orbax_dir])
+            cli(["convert", "hf-to-orbax", export_hf(workdir, hf_dir, tok_dir, eos, pad), orbax_dir])
             prog.stage(f"evaluate [{arm}]: {len(heldout)} held-out questions, greedy, batch {GEN_BATCH} → eval_{arm}/")
             eval_dir = os.path.join(tmp, f"eval_{arm}")
             metrics = evaluate(orbax_dir, items, eval_dir, batch=GEN_BATCH, max_new_tokens=MAX_NEW_TOKENS,

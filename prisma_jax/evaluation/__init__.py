@@ -6,6 +6,7 @@ and selective prediction by the answers' uncertainty codes (docs/eval.md).
     metrics.py   exact match, ECE and reliability bins, AUROC and Pearson of code against error, risk–coverage
                  and AURC (NumPy only)
     plots.py     reliability.png and risk_coverage.png
+    stats.py     across runs: mean ± t interval, paired t-test, exact sign-flip test (benchmarks/introspection.py)
     run.py       `evaluate(...)`: all of it into one output directory
     cli.py       the `prisma eval` subcommand
 
