@@ -43,10 +43,9 @@ ARM_TITLES = {"feedback": "feedback", "no_feedback": "no feedback"}
 # (key, label, better): the QA model on the held-out questions (`prisma eval`; accuracy: the demo's answerable kind)
 QA_METRICS = (("accuracy", "accuracy (answerable)", "↑"), ("ece", "ECE", "↓"),
               ("auroc", "AUROC(code → wrong)", "↑"), ("aurc", "AURC", "↓"))
-# the self-labelled model on the held-out questions (selflabel.word_metrics)
+# the self-labelled model's word after its stage-1 answers to the held-out questions (selflabel.word_rows/metrics)
 WORD_METRICS = (("word_auroc", "AUROC(P(unsure) → wrong)", "↑"), ("word_accuracy", "accuracy of the word", "↑"),
-                ("answer_accuracy", "answer accuracy after fine-tuning", "↑"),
-                ("code_auroc", "AUROC(answer code → wrong) after fine-tuning", "↑"))
+                ("unsure_share", "share of \"unsure\"", ""), ("mean_p_words", "P(sure) + P(unsure)", ""))
 LABEL_PASSES = 4        # ≥ the longest reply chain + 1 (2-token answer, word): training sees generation's codes
 
 
@@ -98,7 +97,6 @@ def run_seed(seed: int, st: dict, directory: str, prog) -> dict:
     from prisma_jax.demo import run as R
     from prisma_jax.demo import selflabel as SL
     from prisma_jax.evaluation import evaluate
-    from prisma_jax.evaluation.items import read_items
     from prisma_jax.processing import Processor
     from train.config import load_train_config
 
@@ -131,10 +129,11 @@ def run_seed(seed: int, st: dict, directory: str, prog) -> dict:
 
     prog.stage(f"seed {seed}: QA training, both arms at once, {steps} steps each")
     qa_ck, qa_time = train("qa", steps, {arm: info["train"] for arm in R.ARMS}, inits)
-    qa = {}
+    qa, qa_rows = {}, {}
     for arm in R.ARMS:
-        m, rows = ev(qa_ck[arm], heldout, f"eval_qa_{arm}")
-        qa[arm] = {k: v for k, v in R.arm_summary(m, rows).items() if k not in ("reliability", "risk_coverage")}
+        m, qa_rows[arm] = ev(qa_ck[arm], heldout, f"eval_qa_{arm}")
+        qa[arm] = {k: v for k, v in R.arm_summary(m, qa_rows[arm]).items()
+                   if k not in ("reliability", "risk_coverage")}
         prog.note(f"[{arm}] " + "  ".join(f"{label} {fmt(qa[arm][k])}" for k, label, _ in QA_METRICS))
 
     prog.stage(f"seed {seed}: self-labels (each arm answers the training questions) and fine-tuning")
@@ -151,14 +150,19 @@ def run_seed(seed: int, st: dict, directory: str, prog) -> dict:
     sl_ck, sl_time = train("selflabel", st["label_steps"], label_data, qa_ck,
                            (f"optimizer.lr={st['label_lr']}", f"train.introspection_passes={LABEL_PASSES}"))
     words = {}
-    held_items = read_items(heldout, D.UNKNOWN)
+    held = D.read_jsonl(heldout)
+    score_cfg, _ = load_train_config(st["config"], [*overrides, f"data.path={heldout}", f"data.processor={tok_dir}",
+                                                    f"train.introspection_passes={LABEL_PASSES}"])
+    proc = Processor.from_pretrained(tok_dir)
     for arm in R.ARMS:
-        model, proc = PrismaVL.from_pretrained(sl_ck[arm]), Processor.from_pretrained(sl_ck[arm])
-        rows = SL.word_rows(model, proc, held_items, R.GEN_BATCH, R.MAX_NEW_TOKENS + 1)
+        forced = os.path.join(data_dir, f"heldout_selflabel_{arm}.jsonl")     # its stage-1 answers, then the word
+        D.write_jsonl(forced, SL.self_label_records(held, qa_rows[arm]))
+        params = PrismaVL.from_pretrained(sl_ck[arm]).params
+        rows = SL.word_rows(score_cfg, params, proc, forced, qa_rows[arm], R.GEN_BATCH)
         D.write_jsonl(os.path.join(directory, f"words_{arm}.jsonl"), rows)
         words[arm] = SL.word_metrics(rows)
         prog.note(f"[{arm}] " + "  ".join(f"{label} {fmt(words[arm][k])}" for k, label, _ in WORD_METRICS))
-        del model
+        del params
     result = {"seed": seed, "steps": steps, "qa": qa, "labels": labels, "selflabel": words,
               "train_time_s": {"qa": qa_time, "selflabel": sl_time}, "wall_time_s": time.perf_counter() - t0}
     with open(os.path.join(directory, "seed.json"), "w") as f:

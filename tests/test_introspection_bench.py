@@ -135,10 +135,10 @@ def test_confidence_reply_and_word_metrics_by_hand():
     assert SL.confidence_reply("", False)["content"] == [{"type": "text", "text": "unsure", "loss": True}]
     rows = [{"correct": c, "p_unsure": p, "word": w, "p_words": 1.0, "code": k}
             for c, p, w, k in [(True, 0.1, "sure", 10), (True, 0.6, "unsure", 30), (False, 0.7, "unsure", 20),
-                               (False, 0.2, None, None), (True, 0.2, "sure", 5)]]
+                               (False, 0.2, "sure", None), (True, 0.2, "sure", 5)]]
     m = SL.word_metrics(rows)
     # wrong {.7, .2} vs right {.1, .6, .2}: pairs won .7>all (3), .2>.1 (1), .2=.2 (½) → 4.5 / 6
     assert m["word_auroc"] == pytest.approx(4.5 / 6)
-    assert m["word_accuracy"] == pytest.approx(3 / 5)                      # rows 1, 3 and 5; no word is a miss
-    assert m["answer_accuracy"] == pytest.approx(3 / 5) and m["word_emitted"] == pytest.approx(4 / 5)
+    assert m["word_accuracy"] == pytest.approx(3 / 5)                      # rows 1, 3 and 5
+    assert m["answer_accuracy"] == pytest.approx(3 / 5) and m["unsure_share"] == pytest.approx(2 / 5)
     assert m["code_auroc"] == pytest.approx(2 / 3)                         # wrong code 20 vs right 10, 30, 5

@@ -6,7 +6,7 @@ was wrong — and on held-out questions the word is scored as a predictor of the
     confidence_reply(prediction, ok)  the fine-tuning reply: the model's own answer, not learned (`"loss": false`,
                                       its code still fed on), then the word, the only token learned
     self_label_records(items, rows)   one training conversation per answered item (rows: eval's answers.jsonl)
-    word_rows(model, processor, ...)  held-out: greedy answer + word; P("unsure") at the word's step
+    word_rows(cfg, params, ...)       held-out: the stage-1 answer teacher-forced, P("unsure") at the word
     word_metrics(rows)                AUROC of P("unsure") for wrong answers, the word's accuracy, and more
 
 The word's position is where the feedback has work to do: its input carries the code of the distribution the
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..evaluation.answers import end_ids
-from ..evaluation.metrics import auroc, normalize
+from ..evaluation.metrics import auroc
 from . import dataset as D
 
 
@@ -55,50 +54,55 @@ def self_label_records(items: list[dict], rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
-def word_rows(model, processor, items: list, batch: int, max_new_tokens: int) -> list[dict]:
-    """Greedy answers of the fine-tuned model to eval `Item`s. A row's answer is its tokens before the first
-    "sure", "unsure" or end token — the word's step k (the last step when none comes); `p_unsure` is
-    P("unsure") / (P("sure") + P("unsure")) at step k, `code` the largest code among the answer's tokens."""
-    eos = end_ids(model, processor)
-    pad = model.generation_config.get("pad_token_id", processor.pad_token_id)
+def word_rows(cfg, params: dict, processor, records_path: str, answers: list[dict], batch: int) -> list[dict]:
+    """The word, scored where it was trained: each held-out question with the stage-1 model's own answer
+    (`answers`: that model's eval answers.jsonl rows, in `records_path`'s order, written by `self_label_records`)
+    teacher-forced through the fine-tuned `params` exactly as training feeds it — `training_logits`, with
+    `cfg.train.introspection_passes` passes, so the answer's codes reach the word's position as in generation.
+    `p_unsure` is P("unsure") / (P("sure") + P("unsure")) at the word's position, `word` the likelier of the two,
+    `correct` and `code` (the largest code of its tokens) the stage-1 answer's. Scored this way, the word judges
+    the answer it was trained to judge: fine-tuning that moves the model's own answers (only the word is learned,
+    so nothing holds them) cannot change what is scored."""
+    import jax
+
+    from train.data import Collate, LoadImages, index_jsonl
+    from train.step import micro, training_logits
+
+    records, _ = index_jsonl(cfg, records_path, processor)
+    if len(records) != len(answers):
+        raise ValueError(f"{records_path}: {len(records)} conversations for {len(answers)} answers")
     sure, unsure = processor.tokenizer.convert_tokens_to_ids([D.SURE, D.UNSURE])
-    size = min(batch, len(items))
+    load, collate = LoadImages(cfg, processor.image_processor), Collate(cfg, batch)
+    logits_of = jax.jit(lambda p, mb, tg: training_logits(cfg, p, mb, tg)[0])
     rows = []
-    for start in range(0, len(items), size):
-        chunk = items[start:start + size]
-        convs = [it.messages for it in chunk] + [chunk[-1].messages] * (size - len(chunk))   # one batch shape
-        enc = processor(messages=convs, add_generation_prompt=True)
-        res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"),
-                             enc.get("image_grid_thw"), max_new_tokens=max_new_tokens, temperature=0.0,
-                             eos_token_id=eos, pad_token_id=pad, return_logits=True)
-        for i, it in enumerate(chunk):
-            ids = [int(t) for t in res.tokens[i, :int(res.lengths[i])]]
-            k = next((t for t, x in enumerate(ids) if x in (sure, unsure, *eos)), len(ids) - 1)
-            z = res.logits[i, k].astype(np.float64)                   # the word's distribution, in float64
-            p_sure, p_unsure = np.exp(z[[sure, unsure]] - z.max()) / np.exp(z - z.max()).sum()
-            answer = processor.decode(ids[:k]).strip()
-            codes = [int(c) for c in res.codes[i, :k]]
-            rows.append({"index": it.index, "id": it.id, "group": it.group, "reference": it.reference,
-                         "answer": answer, "correct": normalize(answer) == normalize(it.reference),
-                         "word": {sure: D.SURE, unsure: D.UNSURE}.get(ids[k]),
+    for start in range(0, len(records), batch):
+        chunk = records[start:start + batch]
+        tb = collate([load(r) for r in chunk + [chunk[-1]] * (batch - len(chunk))])     # one batch shape
+        mb, targets = micro(tb, 0)
+        z = np.asarray(logits_of(params, mb, targets), np.float64)
+        for i, a in enumerate(answers[start:start + len(chunk)]):
+            k = int(np.flatnonzero(np.asarray(targets[i]) >= 0)[0])          # the word: the one learned target
+            zk = z[i, k] - z[i, k].max()
+            p_sure, p_unsure = np.exp(zk[[sure, unsure]]) / np.exp(zk).sum()
+            rows.append({"index": a["index"], "id": a.get("id"), "group": a.get("group"),
+                         "reference": a["reference"], "answer": a["prediction"], "correct": bool(a["correct"]),
+                         "word": D.UNSURE if p_unsure > p_sure else D.SURE,
                          "p_unsure": float(p_unsure / (p_sure + p_unsure)), "p_words": float(p_sure + p_unsure),
-                         "code": max(codes) if codes else None,
-                         "tokens": processor.tokenizer.convert_ids_to_tokens(ids)})
+                         "code": max(a["codes"]) if a["codes"] else None})
     return rows
 
 
 def word_metrics(rows: list[dict]) -> dict:
     """How well the word predicts the answer's correctness: `word_auroc` = P(P("unsure") of a wrong answer >
-    that of a right one), ties ½; `word_accuracy` = share of rows whose word is the right one ("unsure" exactly
-    when wrong; no word counts as a miss); against the answer's own code, `code_auroc` (code → wrong)."""
+    that of a right one), ties ½; `word_accuracy` = share of rows whose likelier word is the right one ("unsure"
+    exactly when wrong); beside them the answers' accuracy and the signal the word has to beat or use, the AUROC
+    of the answer's own code (code → wrong; an empty answer has no code)."""
     correct = np.array([r["correct"] for r in rows], bool)
     p = np.array([r["p_unsure"] for r in rows], np.float64)
-    word = np.array([r["word"] or "" for r in rows], object)
-    want = np.where(correct, D.SURE, D.UNSURE)
-    has_code = np.array([r["code"] is not None for r in rows], bool)       # an empty answer has no code
+    word = np.array([r["word"] for r in rows], object)
+    has_code = np.array([r["code"] is not None for r in rows], bool)
     code = np.array([r["code"] for r in rows if r["code"] is not None], np.float64)
     return {"n": len(rows), "answer_accuracy": float(correct.mean()), "word_auroc": auroc(p, correct),
-            "word_accuracy": float(np.mean(word == want)), "word_emitted": float(np.mean(word != "")),
-            "unsure_share": float(np.mean(word == D.UNSURE)), "mean_p_words": float(np.mean([r["p_words"]
-                                                                                           for r in rows])),
-            "code_auroc": auroc(code, correct[has_code])}
+            "word_accuracy": float(np.mean(word == np.where(correct, D.SURE, D.UNSURE))),
+            "unsure_share": float(np.mean(word == D.UNSURE)),
+            "mean_p_words": float(np.mean([r["p_words"] for r in rows])), "code_auroc": auroc(code, correct[has_code])}
