@@ -161,7 +161,9 @@ class PrismaVL:
                  max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, eos_token_id=None, **kw):
         """Jitted batch generation (generate.py): `.tokens [B, T]`, `.codes [B, T]` uint16, `.lengths [B]`
-        (+ `.entropies` with `return_entropies=True`). `eos_token_id` defaults to the checkpoint's."""
+        (+ `.entropies` with `return_entropies=True`, `.logprobs` with `return_logprobs=True`).
+        `abstain_above=τ` stops a row at a token whose code exceeds τ: `.abstained [B]`, `.abstain_step [B]`,
+        `.texts(processor)` answers it with `abstain_text`. `eos_token_id` defaults to the checkpoint's."""
         from .generate import generate
 
         gc = self.generation_config

@@ -15,6 +15,7 @@ COMMANDS = [
     "prisma_jax.plan",
     "prisma_jax.demo.run",
     "prisma_jax.generate_cli",
+    "prisma_jax.evaluation.cli",
     "prisma_jax.serve.cli",
 ]
 

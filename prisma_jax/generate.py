@@ -12,6 +12,12 @@ Shapes are bucketed so that few programs serve many requests: prompts are left-p
 itself is data. The cache has prompt_bucket + new_bucket slots; prompt tokens sit in slots [0, P), the token
 generated at step t (0-based) enters at slot P + t.
 
+Abstention (`abstain_above=τ`, docs/generation.md#abstention): a row whose emitted token was drawn from a
+distribution with code > τ — `codes[t]`, the code that token carries into the next step (§4, §5) — is done at
+that step, as if the token were an end token: the token and its code are kept as the row's last, `abstain_step`
+records t. τ is data (a traced int32 scalar: no recompile per τ); `Spec.abstain` is static, so the program
+without abstention is the one it always was.
+
 Host side (`generate`): validate everything (ValueError) before any compile, pad (under a mesh, the rows too:
 to a multiple of its batch shards, with dummy rows whose outputs are dropped; they may keep the loop running
 to max_new_tokens), index the rope positions, run the two programs, fetch the buffers once. Not here: sampling math (sampling.py), tokenization (processing.py).
@@ -43,12 +49,14 @@ class DecodeState(NamedTuple):
     position: jax.Array      # [B] int32: M-RoPE position of `token` (text position + rope delta, all 3 axes)
     step: jax.Array          # [] int32: tokens generated so far
     rng: jax.Array           # PRNG key
-    done: jax.Array          # [B] bool: row has emitted an end token
+    done: jax.Array          # [B] bool: row has emitted an end token (or abstained)
     lengths: jax.Array       # [B] int32: tokens generated per row (its end token included)
     tokens: jax.Array        # [B, T] int32 output buffer, pad after a row's end
     codes: jax.Array         # [B, T] uint16 codes of the distributions the tokens were drawn from
     entropies: jax.Array     # [B, T] float32 their entropies in nats
     logits: jax.Array | None = None   # [B, T, V] float32 the distributions themselves (debugging; Spec.keep_logits)
+    abstain_step: jax.Array | None = None   # [B] int32: step whose code exceeded τ, −1 if none (Spec.abstain)
+    logprobs: jax.Array | None = None       # [B, T] float32 log p(token) under its logits (Spec.keep_logprobs)
 
 
 class Spec(NamedTuple):
@@ -59,6 +67,11 @@ class Spec(NamedTuple):
     keep_logits: bool = False        # also record every step's logits [B, T, V] (tests, debugging)
     unroll_layers: bool = False      # decode with the unrolled layer layout (text.py; the default on CPU)
     temperature_fn: Any = UncertaintyTemperature()
+    abstain: bool = False            # stop a row at a token whose code exceeds τ (the `abstain_above` argument)
+    keep_logprobs: bool = False      # also record each chosen token's log-probability [B, T]
+
+
+ABSTAIN_TEXT = "I don't know"
 
 
 @dataclasses.dataclass
@@ -68,6 +81,16 @@ class GenerateResult:
     lengths: np.ndarray              # [B] int32
     entropies: np.ndarray | None = None   # [B, T] float32 nats, on request
     logits: np.ndarray | None = None      # [B, T, V] float32, on request (return_logits=True)
+    abstained: np.ndarray | None = None   # [B] bool: the row stopped at a code above `abstain_above`
+    abstain_step: np.ndarray | None = None   # [B] int32: that step (its token is the row's last), −1 if none
+    abstain_text: str = ABSTAIN_TEXT
+    logprobs: np.ndarray | None = None    # [B, T] float32 log-probability of each token, on request
+
+    def texts(self, processor, skip_special_tokens: bool = True) -> list[str]:
+        """Each row's decoded answer (`processor.decode` of its `lengths[i]` tokens); an abstained row's is
+        `abstain_text` instead."""
+        return [self.abstain_text if self.abstained is not None and self.abstained[i] else
+                processor.decode(self.tokens[i, :n], skip_special_tokens) for i, n in enumerate(self.lengths)]
 
 
 def bucket(n: int, floor: int) -> int:
@@ -83,6 +106,20 @@ def enable_compilation_cache(directory: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- device side
+
+def _token_logprob(z, tok):
+    """log softmax(z)[tok] per row: z [B, V] float32, tok [B] → [B] float32 (no [B, V] log-softmax kept)."""
+    return jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
+
+
+def _abstain(spec: Spec, done, code, live, abstain_above, step, abstain_step):
+    """With `Spec.abstain`, live rows whose token's code exceeds τ are done too, and their `abstain_step`
+    becomes `step`: returns (done, abstain_step). Without it, (done, None): the program is unchanged."""
+    if not spec.abstain:
+        return done, None
+    over = live & (code.astype(jnp.int32) > abstain_above)
+    return done | over, jnp.where(over, step, abstain_step)
+
 
 def _choose(cfg: ModelConfig, spec: Spec, logits, prev_code, sp: SamplingParams, key):
     """logits [B, V] → token [B] int32, its distribution's code [B] uint16 and entropy [B] float32."""
@@ -120,28 +157,31 @@ def prompt_pass(cfg: ModelConfig, params: dict, batch: M.Batch, t: int):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos, sp: SamplingParams,
-            eos, pad_id, rng) -> DecodeState:
-    """Whole prompt [B, P] (vision included) into a fresh cache of P + T slots; draws the first token."""
+            eos, pad_id, rng, abstain_above=None) -> DecodeState:
+    """Whole prompt [B, P] (vision included) into a fresh cache of P + T slots; draws the first token.
+    `abstain_above`: τ as an int32 scalar when `spec.abstain` (else unused)."""
     b = batch.input_ids.shape[0]
     t = spec.new_bucket
     cache, key_valid, logits, prev = prompt_pass(cfg, params, batch, t)
     rng, key = jax.random.split(rng)
     tok, code, ent = _choose(cfg, spec, logits, prev, sp, key)
-    done = jnp.isin(tok, eos)
+    done, step = _abstain(spec, jnp.isin(tok, eos), code, jnp.ones((b,), bool), abstain_above, jnp.int32(0),
+                          jnp.full((b,), -1, jnp.int32))
     put = lambda buf, x: buf.at[:, 0].set(x)                                      # noqa: E731
-    kept = None
-    if spec.keep_logits:
-        kept = jnp.zeros((b, t, logits.shape[-1]), jnp.float32).at[:, 0].set(logits.astype(jnp.float32))
+    z = logits.astype(jnp.float32)
+    kept = put(jnp.zeros((b, t, z.shape[-1]), jnp.float32), z) if spec.keep_logits else None
+    lp = put(jnp.zeros((b, t), jnp.float32), _token_logprob(z, tok)) if spec.keep_logprobs else None
     return DecodeState(cache, key_valid, tok, code, next_pos.astype(jnp.int32), jnp.int32(1), rng, done,
                        jnp.ones((b,), jnp.int32),
                        put(jnp.full((b, t), pad_id, jnp.int32), tok), put(jnp.zeros((b, t), jnp.uint16), code),
-                       put(jnp.zeros((b, t), jnp.float32), ent), kept)
+                       put(jnp.zeros((b, t), jnp.float32), ent), kept, step, lp)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: SamplingParams, eos, pad_id,
-           max_new) -> DecodeState:
-    """Steps until every row is done or `max_new` tokens are out; one compiled `lax.while_loop`."""
+           max_new, abstain_above=None) -> DecodeState:
+    """Steps until every row is done (an end token, or with `spec.abstain` a code above `abstain_above`) or
+    `max_new` tokens are out; one compiled `lax.while_loop`."""
     b, t = state.tokens.shape
     p = state.key_valid.shape[1] - t
     model = M.bind(cfg, params)
@@ -165,11 +205,15 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
         def put(buf, x):
             x = x[:, None].astype(buf.dtype)
             return jax.lax.dynamic_update_slice(buf, x, (0, s.step) + (0,) * (buf.ndim - 2))
-        kept = None if s.logits is None else put(s.logits, logits.astype(jnp.float32))
+        z = logits.astype(jnp.float32)
+        kept = None if s.logits is None else put(s.logits, z)
+        done, step = _abstain(spec, s.done | jnp.isin(tok, eos), code, live, abstain_above, s.step,
+                              s.abstain_step)
+        lp = None if s.logprobs is None else put(s.logprobs, jnp.where(live, _token_logprob(z, tok), 0.0))
         return DecodeState(cache, key_valid, tok, code, s.position + 1, s.step + 1, rng,
-                           s.done | jnp.isin(tok, eos), s.lengths + live.astype(jnp.int32),
+                           done, s.lengths + live.astype(jnp.int32),
                            put(s.tokens, tok), put(s.codes, code), put(s.entropies, jnp.where(live, ent, 0.0)),
-                           kept)
+                           kept, step, lp)
 
     if not spec.unroll_layers:
         return jax.lax.while_loop(cond, body, state)
@@ -203,14 +247,29 @@ class Plan(NamedTuple):
     max_new: np.int32
     seed: int
     rows: int | None = None  # the request's rows; `batch` may hold more (padding to the mesh's batch shards)
+    abstain_above: np.int32 | None = None   # τ when `spec.abstain`
+
+
+def check_abstain(cfg: ModelConfig, abstain_above, introspection: bool = True) -> None:
+    """Host-side validation of τ: None, or an integer code in [0, L); abstention needs the mechanism on."""
+    if abstain_above is None:
+        return
+    levels = cfg.n_levels
+    if isinstance(abstain_above, bool) or not isinstance(abstain_above, (int, np.integer)) \
+            or not 0 <= abstain_above < levels:
+        raise ValueError(f"abstain_above must be an integer code in [0, {levels - 1}] (n_bits = {cfg.n_bits}), "
+                         f"got {abstain_above!r}")
+    if not introspection:
+        raise ValueError("abstain_above needs introspection=True (with the mechanism off every code is 0)")
 
 
 def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
          max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
          eos_token_id=None, pad_token_id: int | None = None, uncertainty_power: float = 0.0, temperature_fn=None,
          return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32, new_floor: int = 16,
-         unroll_layers: bool | None = None) -> Plan:
+         unroll_layers: bool | None = None, abstain_above: int | None = None, return_logprobs: bool = False) -> Plan:
     """Host side of `generate`: validate (ValueError before any compile), pad to the buckets, index positions."""
+    check_abstain(cfg, abstain_above, introspection)
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens}")
     max_new_tokens = int(max_new_tokens)
@@ -263,12 +322,13 @@ def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, im
     spec = Spec(greedy=bool(greedy_), introspection=bool(introspection),
                 new_bucket=bucket(max_new_tokens, new_floor), keep_logits=bool(return_logits),
                 unroll_layers=(jax.default_backend() == "cpu") if unroll_layers is None else bool(unroll_layers),
-                temperature_fn=fn)
+                temperature_fn=fn, abstain=abstain_above is not None, keep_logprobs=bool(return_logprobs))
     sp = SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p), np.float32(uncertainty_power))
     n_eos = max(4, -(-len(eos) // 4) * 4)                  # padded with −1 to a multiple of 4: few shapes
     eos_arr = np.asarray(eos + [-1] * (n_eos - len(eos)), np.int32)
     pad = np.int32(pad_token_id)
-    return Plan(spec, batch, next_pos.astype(np.int32), sp, eos_arr, pad, np.int32(max_new_tokens), int(seed), b)
+    tau = None if abstain_above is None else np.int32(abstain_above)
+    return Plan(spec, batch, next_pos.astype(np.int32), sp, eos_arr, pad, np.int32(max_new_tokens), int(seed), b, tau)
 
 
 def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pixel_values=None,
@@ -276,24 +336,30 @@ def generate(cfg: ModelConfig, params: dict, input_ids, attention_mask=None, pix
              top_p: float = 1.0, seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
              uncertainty_power: float = 0.0, temperature_fn=None, return_entropies: bool = False,
              return_logits: bool = False, introspection: bool = True, prompt_floor: int = 32,
-             new_floor: int = 16, unroll_layers: bool | None = None) -> GenerateResult:
+             new_floor: int = 16, unroll_layers: bool | None = None, abstain_above: int | None = None,
+             abstain_text: str = ABSTAIN_TEXT, return_logprobs: bool = False) -> GenerateResult:
     """Generate up to `max_new_tokens` per row from left-padded prompts; see the module docstring.
 
     temperature 0 = greedy (top_k / top_p ignored). `eos_token_id`: int, list or None (no end token).
     `introspection=False` turns the mechanism off (no injection, codes 0) for measuring its cost.
     `unroll_layers`: decode layer loop unrolled (text.py); None = on the CPU backend only.
+    `abstain_above=τ`: a row stops at its first token whose code (`codes[i, t]`) is > τ; the result's
+    `abstained` / `abstain_step` say which rows and where, `texts(processor)` puts `abstain_text` in their place.
+    `return_logprobs`: each token's log-probability under the logits it was drawn from (its `codes` entry's).
     """
+    if not isinstance(abstain_text, str):
+        raise ValueError(f"abstain_text must be a string, got {abstain_text!r}")
     p = plan(cfg, input_ids, attention_mask, pixel_values, image_grid_thw, max_new_tokens, temperature, top_k, top_p,
              seed, eos_token_id, pad_token_id, uncertainty_power, temperature_fn, return_logits, introspection,
-             prompt_floor, new_floor, unroll_layers)
-    state = prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(p.seed))
-    state = decode(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new)
-    tokens, codes, ents, lengths, logits = jax.device_get(
-        (state.tokens, state.codes, state.entropies, state.lengths, state.logits))
-    rows = slice(0, p.rows)
-    tokens, codes, ents, lengths = tokens[rows], codes[rows], ents[rows], lengths[rows]
-    logits = None if logits is None else logits[rows]
+             prompt_floor, new_floor, unroll_layers, abstain_above, return_logprobs)
+    state = prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(p.seed),
+                    p.abstain_above)
+    state = decode(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new, p.abstain_above)
+    out = jax.device_get((state.tokens, state.codes, state.entropies, state.lengths, state.logits,
+                          state.abstain_step, state.logprobs))
+    tokens, codes, ents, lengths, logits, step, lps = (None if x is None else np.asarray(x)[:p.rows] for x in out)
     t = int(lengths.max())
-    return GenerateResult(np.asarray(tokens[:, :t], np.int32), np.asarray(codes[:, :t], np.uint16),
-                          np.asarray(lengths, np.int32), np.asarray(ents[:, :t]) if return_entropies else None,
-                          None if logits is None else np.asarray(logits[:, :t]))
+    step = np.full(lengths.shape, -1, np.int32) if step is None else step.astype(np.int32)
+    return GenerateResult(tokens[:, :t].astype(np.int32), codes[:, :t].astype(np.uint16), lengths.astype(np.int32),
+                          ents[:, :t] if return_entropies else None, None if logits is None else logits[:, :t],
+                          step >= 0, step, abstain_text, None if lps is None else lps[:, :t])

@@ -425,10 +425,12 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
     d = tcfg.data
     imgs = (f"{d.max_images} image slot(s) a row of {d.image_size}² ({image_tokens(tcfg)} tokens)" if d.max_images
             else "no image slots")
+    state = ("params + AdamW float32" if tr.lora is None else
+             f"LoRA rank {tr.lora.rank}: trained leaves + AdamW float32, frozen base bfloat16")
     chunk = f"{tr.logits_chunk} tokens" if 0 < tr.logits_chunk < tr.seq_len else "off (whole sequence)"
     lines = [f"training step  mesh {r['mesh']}; batch {r['batch']} × seq {r['seq']}, {imgs} (grad_accum "
-             f"{tr.grad_accum}, introspection passes {tr.introspection_passes}); params + AdamW float32, compute "
-             f"{tr.compute_dtype}, remat {tr.remat}, logits chunk {chunk}",
+             f"{tr.grad_accum}, introspection passes {tr.introspection_passes}); {state}, compute {tr.compute_dtype}, "
+             f"remat {tr.remat}, logits chunk {chunk}",
              f"  per device: arguments {_gib(m.arguments)}, outputs {_gib(m.outputs)} (aliased {_gib(m.aliased)}), "
              f"temporaries {_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}" if m is not None else
              f"  per device: {r['oom']}{verdict}",

@@ -133,6 +133,36 @@ def load_image(image):
     raise ValueError(f"unsupported image {type(image).__name__}: expected a PIL image, a path or [H, W, 3] uint8")
 
 
+def resolve_messages(messages: list, where: str, base: str) -> list[str]:
+    """Check a JSONL conversation (`prisma train` and `prisma eval` data: docs/training.md) and make its image
+    paths absolute, in place: relative paths are resolved against `base` (the JSONL file's folder) and must
+    exist. Returns the image paths in order; a problem → ValueError starting with `where` (file:line)."""
+    out = []
+    for j, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES or "content" not in msg:
+            raise ValueError(f"{where}: messages[{j}] must be an object with role in {ROLES} and content")
+        content = msg["content"]
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"{where}: messages[{j}].content must be a string or a list of items")
+        for item in content:
+            if not isinstance(item, dict) or item.get("type") not in ("text", "image"):
+                raise ValueError(f"{where}: messages[{j}] has an item that is not {{type: text|image}}")
+            if item["type"] == "image":
+                p = item.get("image", item.get("path"))
+                if not isinstance(p, str):
+                    raise ValueError(f"{where}: messages[{j}] image item needs a local path in 'image'")
+                p = p if os.path.isabs(p) else os.path.join(base, p)
+                if not os.path.isfile(p):
+                    raise ValueError(f"{where}: image not found: {p}")
+                item["image"] = p
+                out.append(p)
+            elif not isinstance(item.get("text"), str):
+                raise ValueError(f"{where}: messages[{j}] text item needs a string 'text'")
+    return out
+
+
 def _message_images(conversation: list[dict]) -> list:
     out = []
     for msg in conversation:
@@ -235,30 +265,82 @@ class Processor:
     def batch_decode(self, rows, skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(r, skip_special_tokens) for r in rows]
 
-    def encode_supervised(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """A templated conversation (images already expanded) → ids [n] int64 and supervised [n] bool: the
-        assistant replies, from after each `<|im_start|>assistant\n` header up to and including its
-        `<|im_end|>` (what training supervises).
+    def encode_supervised(self, text: str, span_loss: list[bool] | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A templated conversation (images already expanded) → ids [n] int64, supervised [n] bool and learned
+        [n] bool. Supervised: the assistant replies, from after each `<|im_start|>assistant\n` header up to and
+        including its `<|im_end|>` (what training feeds codes along). Learned: the supervised tokens that carry
+        a loss — reply k's tokens when `span_loss[k]` (default all true), except text wrapped in
+        `FLIP_OPEN … FLIP_CLOSE`, which takes the opposite (train/data.py `mark_loss` writes both from the
+        data's `"loss"` flags; the markers are removed before tokenizing). A token any of whose characters is
+        not learned is not learned.
 
         Each reply is tokenized apart from the text before it, as at generation time, where the prompt ends
         with the header and the reply's tokens follow it. Tokenizing the whole text instead lets a byte-level
         BPE merge the header's newline with a reply that starts with a newline (Qwen splits `\n\n` as one
         piece), so no token would be exactly the reply's and the model would learn tokens it never sees."""
+        spans = assistant_spans(text)
+        if span_loss is not None and len(span_loss) != len(spans):
+            raise ValueError(f"the chat template rendered {len(spans)} assistant replies for {len(span_loss)} "
+                             "assistant messages: cannot place their \"loss\" flags")
         ids: list[int] = []
         sup: list[bool] = []
+        learned: list[bool] = []
+
+        def add(piece: str, reply: int | None):
+            if reply is None:
+                if FLIP_OPEN in piece or FLIP_CLOSE in piece:
+                    raise ValueError("a \"loss\" marker outside an assistant reply")
+                t = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids.extend(t)
+                sup.extend([False] * len(t))
+                learned.extend([False] * len(t))
+                return
+            default = True if span_loss is None else bool(span_loss[reply])
+            clean, char_learned = unmark_loss(piece, default)
+            if char_learned.all() or not char_learned.any():
+                t = self.tokenizer(clean, add_special_tokens=False)["input_ids"]
+                flags = [bool(char_learned.all()) if len(clean) else default] * len(t)
+            else:                      # the learned characters decide per token: needs a fast tokenizer's offsets
+                enc = self.tokenizer(clean, add_special_tokens=False, return_offsets_mapping=True)
+                t = enc["input_ids"]
+                flags = [bool(char_learned[a:b].all()) if b > a else default for a, b in enc["offset_mapping"]]
+            ids.extend(t)
+            sup.extend([True] * len(t))
+            learned.extend(flags)
+
         pos = 0
-        for a, b in assistant_spans(text):
-            for piece, flag in ((text[pos:a], False), (text[a:b], True)):
-                if piece:
-                    t = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
-                    ids += t
-                    sup += [flag] * len(t)
+        for k, (a, b) in enumerate(spans):
+            if text[pos:a]:
+                add(text[pos:a], None)
+            if text[a:b]:
+                add(text[a:b], k)
             pos = b
         if pos < len(text):
-            t = self.tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
-            ids += t
-            sup += [False] * len(t)
-        return np.asarray(ids, np.int64), np.asarray(sup, bool)
+            add(text[pos:], None)
+        return np.asarray(ids, np.int64), np.asarray(sup, bool), np.asarray(learned, bool)
+
+
+# Wrapped around reply text whose `"loss"` flag differs from its message's (train/data.py `mark_loss`): Unicode
+# private-use code points, which the chat template passes through verbatim and `encode_supervised` removes.
+FLIP_OPEN, FLIP_CLOSE = "\ue000", "\ue001"
+
+
+def unmark_loss(piece: str, default: bool) -> tuple[str, np.ndarray]:
+    """(`piece` without FLIP markers, per character of it: learned) — `default` outside the markers, its
+    opposite inside; markers must pair up and not nest."""
+    out, flags, inside = [], [], False
+    for ch in piece:
+        if ch == FLIP_OPEN or ch == FLIP_CLOSE:
+            if inside == (ch == FLIP_OPEN):
+                raise ValueError("unbalanced \"loss\" markers in an assistant reply")
+            inside = ch == FLIP_OPEN
+            continue
+        out.append(ch)
+        flags.append(default != inside)
+    if inside:
+        raise ValueError("unbalanced \"loss\" markers in an assistant reply")
+    return "".join(out), np.asarray(flags, bool)
 
 
 def assistant_spans(text: str, header: str = ASSISTANT_HEADER, end: str = "<|im_end|>") -> list[tuple[int, int]]:

@@ -14,8 +14,10 @@ done. A process that preloads another allocator is unaffected: glibc's settings 
 compiles. On a machine without TPU chips, initialising it prints half a dozen lines of errors about
 the accelerator type and worker hostnames it cannot find. There we describe the host as the single-host,
 single-worker machine it is (`TPU_WORKER_HOSTNAMES=localhost`, `TPU_HOST_BOUNDS=1,1,1`), which libtpu accepts
-silently; compiling for abstract TPU topologies is unchanged. Where chips are present, or the variables are
-already set, nothing is touched.
+silently; compiling for abstract TPU topologies is unchanged. With no chip to guard, libtpu's lock file
+(`/tmp/libtpu_lockfile`, which makes a second process that loads libtpu fail) is switched off too
+(`ALLOW_MULTIPLE_LIBTPU_LOAD=1`), so that a plan, a test and a compile can run side by side. Where chips are
+present, or the variables are already set, nothing is touched.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def quiet_libtpu_without_tpu() -> bool:
         return False
     os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
     os.environ["TPU_HOST_BOUNDS"] = "1,1,1"
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return True
 
 

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 LOGICAL_RULES: dict[str, object] = {
     # activations
     "batch": ("data", "fsdp"),   # examples: pure data parallelism × FSDP
+    "frames": ("data", "fsdp"),  # vision frames attended one by one: split like the batch when it divides them
+                                 # (training's per-row image slots), else replicated (generation's packed images)
     "seq": None,
     "embed": None,               # activations' model dim (the batch is already split over data × fsdp)
     "heads": "tensor",           # query heads (activations and q/o projection weights)

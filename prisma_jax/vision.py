@@ -108,7 +108,7 @@ class VisionAttention(nnx.Module):
         # (L = N: one block-diagonal mask)
         ln = mask.shape[-1]
         q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
-        return self.proj(attention(q, k, v, mask).reshape(n, d))
+        return self.proj(attention(q, k, v, mask, "frames").reshape(n, d))
 
 
 class VisionMLP(nnx.Module):

@@ -58,8 +58,9 @@ def save_checkpoint(model, path, table: np.ndarray | None = None, dtype=torch.fl
 
 
 def reference_logits(model, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
-                     table=None, codes_in=None):
-    """transformers logits; with `table`/`codes_in`, docs/introspection-contract.md §3 added by a hook on embed_tokens."""
+                     table=None, codes_in=None, grad=False):
+    """transformers logits; with `table`/`codes_in`, docs/introspection-contract.md §3 added by a hook on embed_tokens.
+    NumPy float32, or with `grad` the torch tensor with its autograd graph (for gradient references)."""
     emb = model.model.language_model.embed_tokens
     handle = None
     if table is not None:
@@ -79,6 +80,8 @@ def reference_logits(model, input_ids, attention_mask=None, pixel_values=None, i
             kw["pixel_values"] = torch.as_tensor(np.asarray(pixel_values, np.float32))
             kw["image_grid_thw"] = torch.as_tensor(np.asarray(image_grid_thw)).long()
             kw["mm_token_type_ids"] = (kw["input_ids"] == IMAGE).long()
+        if grad:
+            return model(**kw).logits.float()
         with torch.no_grad():
             return model(**kw).logits.float().numpy()
     finally:

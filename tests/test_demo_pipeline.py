@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import eval_reference as REF
 from prisma_jax.demo import run as R
 from train.config import load_train_config
 
@@ -23,46 +24,47 @@ def test_demo_config_matches_demo_tokenizer(tmp_path):
         R.build_tokenizer_dir(str(tmp_path / "x"), bad)
 
 
-def _ece(conf, correct, n_bins=10):
-    """Independent ECE: sort into bins by explicit comparison with the edges."""
-    total, n = 0.0, len(conf)
-    for b in range(n_bins):
-        lo, hi = b / n_bins, (b + 1) / n_bins
-        sel = [i for i, c in enumerate(conf) if lo <= c < hi or (b == n_bins - 1 and c == 1.0)]
-        if sel:
-            acc = sum(correct[i] for i in sel) / len(sel)
-            avg = sum(conf[i] for i in sel) / len(sel)
-            total += len(sel) / n * abs(acc - avg)
-    return total
-
-
 def test_reduced_demo_end_to_end(tmp_path):
     out = tmp_path / "demo_out"
     m = R.run_demo(str(out), steps=3, train_images=24, heldout_images=8, questions_per_image=2,
                    progress_bar=False, overrides=("train.batch_size=8",))
-    for name in ("metrics.json", "report.md", "reliability.png", "traces.png", "codes.png", "answers.jsonl"):
+    for name in ("metrics.json", "report.md", "reliability.png", "risk_coverage.png", "traces.png", "codes.png"):
         assert (out / name).is_file(), name
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]        # the staging directory was renamed
     saved = json.loads((out / "metrics.json").read_text())
-    for k in ("accuracy", "ece", "accuracy_no_feedback", "ece_no_feedback", "code_correctness_corr",
-              "code_correctness_corr_no_feedback", "wall_time_s"):
+    for k in ("accuracy", "ece", "accuracy_no_feedback", "ece_no_feedback", "code_error_corr",
+              "code_error_corr_no_feedback", "auroc", "aurc_no_feedback", "wall_time_s"):
         assert k in saved, k
     assert saved["steps"] == 3 and saved["n_heldout"] == 16
 
-    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 16
+    # each arm is one `prisma eval` run on the held-out questions written as eval items
+    items = [json.loads(line) for line in (out / "data" / "heldout_eval.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (out / "data" / "heldout.jsonl").read_text().splitlines()]
+    assert [it["answer"] for it in items] == [h["label"] for h in held]
+    assert [it["answerable"] for it in items] == [h["kind"] != "unanswerable" for h in held]
     for arm, suffix in (("feedback", ""), ("no_feedback", "_no_feedback")):
-        rs = [r for r in rows if r["arm"] == arm]
-        for r in rs:
-            assert math.isclose(r["confidence"], float(np.prod(r["token_probs"])), rel_tol=1e-9)
-            assert r["code"] == max(r["token_codes"])
-            assert all(0 <= c < 256 for c in r["token_codes"])
-            assert r["correct"] == (r["answer"] == r["label"] and r["tokens"][-1] == "<|im_end|>")
+        d = out / f"eval_{arm}"
+        assert sorted(os.listdir(d)) == ["answers.jsonl", "metrics.json", "reliability.png", "risk_coverage.png"]
+        rs = [json.loads(line) for line in (d / "answers.jsonl").read_text().splitlines()]
+        assert len(rs) == 16 and [r["id"] for r in rs] == [h["id"] for h in held]
+        for r, h in zip(rs, held):
+            assert math.isclose(r["confidence"], float(np.prod(r["probs"])), rel_tol=1e-9)
+            assert r["code"] == max(r["codes"])
+            assert all(0 <= c < 256 for c in r["codes"])
+            assert r["correct"] == (REF.normalize(r["prediction"]) == REF.normalize(h["label"]))
         conf = [r["confidence"] for r in rs]
         correct = [r["correct"] for r in rs]
-        assert math.isclose(saved["ece" + suffix], _ece(conf, correct), abs_tol=1e-12)
-        answerable = [r["correct"] for r in rs if r["kind"] == "answerable"]
+        code = [r["code"] for r in rs]
+        assert math.isclose(saved["ece" + suffix], REF.ece(conf, correct), abs_tol=1e-12)
+        assert json.loads((d / "metrics.json").read_text())["ece"] == saved["ece" + suffix]
+        if 0 < sum(correct) < len(correct):
+            assert math.isclose(saved["auroc" + suffix], REF.auroc(code, correct), abs_tol=1e-12)
+        assert math.isclose(saved["aurc" + suffix], REF.aurc(code, correct), abs_tol=1e-12)
+        answerable = [c for c, h in zip(correct, held) if h["kind"] == "answerable"]
         assert math.isclose(saved["accuracy" + suffix], sum(answerable) / len(answerable), abs_tol=1e-12)
+        ambiguous = [REF.normalize(r["prediction"]) in h["answers"] for r, h in zip(rs, held) if h["kind"] == "ambiguous"]
+        if ambiguous:
+            assert math.isclose(saved["accuracy_ambiguous" + suffix], sum(ambiguous) / len(ambiguous))
     report = (out / "report.md").read_text()
     assert "| arm |" in report and "reliability.png" in report
     assert m["accuracy"] == saved["accuracy"]

@@ -53,6 +53,8 @@ def test_cli_json_matches_the_api(ckpt, capsys):
     (["--temperature", "-1"], "temperature"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--top-p", "0"], "top_p"),
+    (["--mesh", "bogus"], "--mesh 'bogus': expected a preset"),
+    (["--mesh", "data=0"], "axis 'data' must be a positive integer"),
 ])
 def test_cli_bad_input_is_one_line(ckpt, capsys, extra, match, tmp_path):
     d, _ = ckpt

@@ -89,7 +89,7 @@ def test_assistant_mask_covers_assistant_turns_only(proc_dir):
     text = p.apply_chat_template([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"},
                                   {"role": "user", "content": "this"}, {"role": "assistant", "content": "image."}],
                                  add_generation_prompt=False)
-    ids, sup = p.encode_supervised(text)
+    ids, sup, _ = p.encode_supervised(text)
     np.testing.assert_array_equal(ids, p(text=[text])["input_ids"][0])    # word-level: nothing can merge
     toks = p.tokenizer.convert_ids_to_tokens(ids.tolist())
     got = [t for t, m in zip(toks, sup) if m]
@@ -162,7 +162,7 @@ def test_supervised_tokens_are_exactly_the_reply_with_a_bpe_tokenizer(bpe_dir, r
     conv = [{"role": "user", "content": "what is this question"}, {"role": "assistant", "content": reply},
             {"role": "user", "content": "hello"}, {"role": "assistant", "content": reply + " yes"}]
     text, want_ids, want_sup = expected_encoding(p, conv)
-    ids, sup = p.encode_supervised(text)
+    ids, sup, _ = p.encode_supervised(text)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(sup, want_sup)
     # the supervised tokens decode to the replies and their end tokens, nothing of the headers
@@ -175,6 +175,61 @@ def test_supervised_tokens_are_exactly_the_reply_with_a_bpe_tokenizer(bpe_dir, r
     if reply.startswith("\n"):      # the case that needs the split: the whole text merges header and reply
         whole = p.tokenizer(text, add_special_tokens=False)["input_ids"]
         assert whole[:len(gen)] != gen.tolist()
+
+
+@pytest.mark.parametrize("msg_loss,item_loss,want", [
+    (True, (False, True), [" there.<|im_end|>"]),           # the answer not learned, the rest learned
+    (False, (None, True), [" there."]),                     # only the item that asks for it: no end token
+    (True, (True, True), ["\nhello there.<|im_end|>"]),       # flags equal to the default change nothing
+    (True, (False, False), ["<|im_end|>"]),
+])
+def test_loss_flags_select_the_learned_tokens(bpe_dir, msg_loss, item_loss, want):
+    """`"loss"` flags (train/data.py `mark_loss`) → the learned tokens of `encode_supervised`: the ids and the
+    supervised mask are those of the unflagged reply, the learned tokens decode to the learned text."""
+    from train.data import mark_loss
+    p = Processor.from_pretrained(bpe_dir)
+    items = [{"type": "text", "text": t} for t in ("\nhello", " there.")]
+    flagged = [it if f is None else {**it, "loss": f} for it, f in zip(items, item_loss)]
+    conv = [{"role": "user", "content": "what is this question"},
+            {"role": "assistant", "content": flagged, **({} if msg_loss else {"loss": False})}]
+    marked, spans = mark_loss(conv, "here")
+    assert spans == [msg_loss]
+    ids, sup, learned = p.encode_supervised(p.apply_chat_template(marked, add_generation_prompt=False), spans)
+    plain_ids, plain_sup, plain_learned = p.encode_supervised(
+        p.apply_chat_template(conv[:1] + [{"role": "assistant", "content": items}], add_generation_prompt=False))
+    np.testing.assert_array_equal(ids, plain_ids)
+    np.testing.assert_array_equal(sup, plain_sup)
+    np.testing.assert_array_equal(plain_learned, plain_sup)
+    assert not (learned & ~sup).any()
+    assert [p.tokenizer.decode(ids[a:b].tolist()) for a, b in _runs(learned)] == want
+
+
+def test_loss_flag_on_part_of_a_token_unlearns_the_token(bpe_dir):
+    """A token that holds any character of not-learned text is not learned."""
+    from train.data import mark_loss
+    p = Processor.from_pretrained(bpe_dir)
+    conv = [{"role": "user", "content": "what"},
+            {"role": "assistant", "content": [{"type": "text", "text": "hel", "loss": False},
+                                              {"type": "text", "text": "lo there"}]}]
+    ids, sup, learned = p.encode_supervised(p.apply_chat_template(mark_loss(conv, "here")[0], False), [True])
+    toks = [p.tokenizer.decode([i]) for i in ids[sup]]
+    assert toks[:2] == ["hello", " there"]            # one token across the flag's boundary
+    assert learned[sup].tolist() == [False, True, True]
+
+
+def test_loss_flags_bad_input():
+    from train.data import mark_loss
+    text = {"type": "text", "text": "x"}
+    for conv, match in [
+        ([{"role": "user", "content": "q", "loss": False}], "user message: 'loss' applies to assistant"),
+        ([{"role": "user", "content": [{**text, "loss": False}]}], "applies to assistant messages"),
+        ([{"role": "assistant", "content": "a", "loss": 0}], "'loss' must be true or false, got 0"),
+        ([{"role": "assistant", "content": [{**text, "loss": "no"}]}], "item 'loss' must be true or false"),
+        ([{"role": "assistant", "content": [{"type": "image", "image": "a.png", "loss": False}]}], "text items only"),
+        ([{"role": "assistant", "content": "a\ue000"}], "reserved character"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            mark_loss(conv, "f.jsonl:3")
 
 
 def _runs(mask):

@@ -10,9 +10,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
+def clean_env() -> dict:
+    """This process's environment less what importing prisma_jax (here or in another test) may have set for libtpu."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("TPU_") and k not in ("ALLOW_MULTIPLE_LIBTPU_LOAD", "JAX_PLATFORMS")}
+
+
 def run_py(code: str, **env) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
-    full.update(env, JAX_PLATFORMS=env.get("JAX_PLATFORMS", ""))
+    full = clean_env()
+    full.update(env)
     full = {k: v for k, v in full.items() if v != ""}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True,
                           timeout=300)
@@ -101,6 +107,22 @@ def test_libtpu_is_quiet_without_a_tpu_and_still_compiles_for_tpu_topologies():
     assert not any(n in ours.stderr for n in NOISE), ours.stderr
     assert ours.stdout.split() == plain.stdout.split() == ["cpu", "4"]
 
+
+@pytest.mark.skipif(not _has_libtpu(), reason="needs libtpu (the [tpu] extra, which make test installs)")
+def test_a_second_process_loads_libtpu_beside_one_that_holds_its_lock():
+    """libtpu as it is takes /tmp/libtpu_lockfile, and a second process that loads it then fails; with no chip to
+    guard, prisma_jax switches the lock off, so a plan can run beside a test or another plan."""
+    hold = DEVICES_AND_TOPOLOGY.format(first="") + "sys.stdin.read()\n"
+    holder = subprocess.Popen([sys.executable, "-c", hold], cwd=ROOT, env=clean_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert holder.stdout.readline().split() == ["cpu", "4"]     # libtpu loaded, lock held
+        plain = run_py(DEVICES_AND_TOPOLOGY.format(first=""))
+        ours = run_py(DEVICES_AND_TOPOLOGY.format(first="import prisma_jax"))
+    finally:
+        holder.communicate("", timeout=60)
+    assert plain.returncode != 0 and "lockfile" in plain.stderr, plain.stderr[-2000:]
+    assert ours.returncode == 0 and ours.stdout.split() == ["cpu", "4"], ours.stderr[-2000:]
 
 def test_switch_is_read_from_the_environment():
     out = run_py("from prisma_jax import runtime; print(runtime.tune_malloc())", PRISMA_MALLOC_TUNING="0")

@@ -283,3 +283,11 @@ def test_piece_writer_writes_the_streaming_writers_bytes_and_refuses_gaps(tmp_pa
 def jax_leaves(tree):
     import jax
     return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_a_conversation_without_an_assistant_reply_is_a_clear_error(tmp_path):
+    from prisma_jax.processing import Processor
+    from train.data import index_jsonl
+    path, proc = write_jsonl(tmp_path, [GOOD, json.dumps({"messages": [{"role": "user", "content": "count to two"}]})])
+    with pytest.raises(ValueError, match=r"train.jsonl:2: no assistant message \(nothing to supervise\)"):
+        index_jsonl(jsonl_cfg(path, proc), path, Processor.from_pretrained(proc))

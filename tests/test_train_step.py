@@ -182,31 +182,57 @@ def np_code(logits, n_bits):
     return np.floor(np.clip(h / np.log(z.shape[-1]), 0, 1) * (2**n_bits - 1)).astype(np.int64)
 
 
-def test_training_logits_equal_sequential_teacher_forcing(tmp_path):
-    """With enough passes the last pass equals feeding each position the code computed (by transformers, step
-    by step) from its predecessor's logits wherever that predecessor is supervised. "Enough" is the longest
-    causal chain of supervised positions + 1: with one span per row that is the span length + 1
-    (docs/introspection-contract.md §4), but a later span attends to the codes of the earlier ones, so two spans of a row
-    chain together: here 5 + 4 supervised positions → P = 10."""
+def sequential_setup(tmp_path, s=20):
+    """A transformers model with peaked next-token distributions (so that codes differ from position to position),
+    its checkpoint loaded, and two rows (one with an image) of 20 tokens."""
     hf = build_model(tiny_hf_config(), seed=1)
-    with torch.no_grad():       # peaked next-token distributions, so that codes differ from position to position
+    with torch.no_grad():
         hf.lm_head.weight.mul_(40.0)
     table = np.random.default_rng(2).normal(0, 0.5, (256, 64)).astype(np.float32)
     params, mcfg = load_hf(save_checkpoint(hf, str(tmp_path / "ck"), table), dtype="float32")
     rng = np.random.default_rng(3)
-    s = 20
     ids = np.zeros((2, s), np.int64)
     mask = np.zeros((2, s), np.int64)
     row0 = [7, 11] + image_tokens((1, 4, 4)) + list(rng.integers(10, 128, 12))
     row1 = list(rng.integers(10, 128, 15))
     ids[0, :len(row0)], mask[0, :len(row0)] = row0, 1
     ids[1, :len(row1)], mask[1, :len(row1)] = row1, 1
-    targets = np.full((2, s), -1, np.int64)
-    spans = [(9, 13), (15, 19), (3, 8), (10, 14)]          # two supervised spans per row: 8 and 9 positions
-    for r, (a, b) in [(0, spans[0]), (0, spans[1]), (1, spans[2]), (1, spans[3])]:
-        targets[r, a:b] = ids[r, a + 1:b + 1]
-    assert not (ids == IMAGE)[targets >= 0].any() and VSTART in row0 and VEND in row0
+    assert VSTART in row0 and VEND in row0
     pv, grid = random_pixels([(1, 4, 4)], seed=4), np.array([[1, 4, 4]])
+    return hf, table, params, mcfg, ids, mask, pv, grid
+
+
+def span_targets(ids, spans, no_loss=()):
+    """targets[r, i] = ids[r, i+1] on each (row, a, b) span; S.NO_LOSS at the (row, i) in `no_loss`."""
+    targets = np.full(ids.shape, S.IGNORE, np.int64)
+    for r, a, b in spans:
+        targets[r, a:b] = ids[r, a + 1:b + 1]
+    for r, i in no_loss:
+        targets[r, i] = S.NO_LOSS
+    return targets
+
+
+def sequential_codes(hf, table, n_bits, ids, mask, pv, grid, codes, feeds):
+    """§4 by transformers, step by step: position t takes the code of logits[t − 1] wherever `feeds[:, t − 1]`."""
+    codes = np.array(codes, np.int64)
+    for t in range(1, ids.shape[1]):
+        if feeds[:, t - 1].any():
+            ref = reference_logits(hf, ids, mask, pv, grid, table=table, codes_in=codes)
+            codes[:, t] = np.where(feeds[:, t - 1], np_code(ref[:, t - 1], n_bits), codes[:, t])
+    return codes
+
+
+def test_training_logits_equal_sequential_teacher_forcing(tmp_path):
+    """With enough passes the last pass equals feeding each position the code computed (by transformers, step
+    by step) from its predecessor's logits wherever that predecessor is supervised. "Enough" is the longest
+    causal chain of supervised positions + 1: with one span per row that is the span length + 1
+    (docs/introspection-contract.md §4), but a later span attends to the codes of the earlier ones, so two spans of a row
+    chain together: here 5 + 4 supervised positions → P = 10."""
+    hf, table, params, mcfg, ids, mask, pv, grid = sequential_setup(tmp_path)
+    s = ids.shape[1]
+    # two supervised spans per row: 8 and 9 positions
+    targets = span_targets(ids, [(0, 9, 13), (0, 15, 19), (1, 3, 8), (1, 10, 14)])
+    assert not (ids == IMAGE)[targets >= 0].any()
     batch = prepare(mcfg, ids, mask, pv, grid)
 
     cfg = config_from_raw({"model": mcfg.to_dict(), "train": {"steps": 1, "batch_size": 2, "seq_len": s,
@@ -215,13 +241,7 @@ def test_training_logits_equal_sequential_teacher_forcing(tmp_path):
     logits, codes = jax.jit(lambda p, b, t: S.training_logits(cfg, p, b, t))(
         jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, batch), jnp.asarray(targets))
 
-    ref_codes = np.array(batch.codes, np.int64)
-    sup = targets >= 0
-    for t in range(1, s):
-        if sup[:, t - 1].any():
-            ref = reference_logits(hf, ids, mask, pv, grid, table=table, codes_in=ref_codes)
-            c = np_code(ref[:, t - 1], mcfg.n_bits)
-            ref_codes[:, t] = np.where(sup[:, t - 1], c, ref_codes[:, t])
+    ref_codes = sequential_codes(hf, table, mcfg.n_bits, ids, mask, pv, grid, batch.codes, targets >= 0)
     ref = reference_logits(hf, ids, mask, pv, grid, table=table, codes_in=ref_codes)
     np.testing.assert_array_equal(np.asarray(codes), ref_codes)
     valid = mask.astype(bool)
@@ -231,3 +251,41 @@ def test_training_logits_equal_sequential_teacher_forcing(tmp_path):
     _, codes2 = jax.jit(lambda p, b, t: S.training_logits(cfg2, p, b, t))(
         jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, batch), jnp.asarray(targets))
     assert not np.array_equal(np.asarray(codes2), ref_codes)
+
+
+def test_no_loss_targets_feed_codes_but_give_no_loss_or_gradient(tmp_path):
+    """`"loss": false` tokens (target NO_LOSS): the code of the distribution each is drawn from still feeds the
+    next position, exactly as for a learned token (transformers, step by step), yet the loss and its gradient
+    are those of the learned positions alone: torch's summed cross-entropy over them, and its autograd gradient
+    of `lm_head` and the token embeddings, through the model fed those codes."""
+    hf, table, params, mcfg, ids, mask, pv, grid = sequential_setup(tmp_path)
+    s = ids.shape[1]
+    # row 0: an answer of 3 tokens not learned, then 2 learned; row 1: learned, 2 not learned, learned
+    targets = span_targets(ids, [(0, 9, 14), (1, 3, 9)], no_loss=[(0, 9), (0, 10), (0, 11), (1, 5), (1, 6)])
+    learned, feeds = targets >= 0, targets != S.IGNORE
+    assert learned.sum() == 6 and (feeds & ~learned).sum() == 5
+    batch = prepare(mcfg, ids, mask, pv, grid)
+    cfg = config_from_raw({"model": mcfg.to_dict(), "train": {"steps": 1, "batch_size": 2, "seq_len": s,
+                                                              "introspection_passes": 7},
+                           "data": {"max_images": 1}})
+    p, b, t = jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, batch), jnp.asarray(targets)
+    _, codes = jax.jit(lambda p, b, t: S.training_logits(cfg, p, b, t))(p, b, t)
+    (loss, _), g = jax.jit(jax.value_and_grad(lambda p, b, t: S._micro_loss(p, cfg, b, t), has_aux=True))(p, b, t)
+
+    ref_codes = sequential_codes(hf, table, mcfg.n_bits, ids, mask, pv, grid, batch.codes, feeds)
+    np.testing.assert_array_equal(np.asarray(codes), ref_codes)
+    # the NO_LOSS positions' codes matter: fed as IGNORE instead, the codes after them would be the prompt rule
+    ignored = np.where(targets == S.NO_LOSS, S.IGNORE, targets)
+    _, codes_ign = jax.jit(lambda p, b, t: S.training_logits(cfg, p, b, t))(p, b, jnp.asarray(ignored))
+    assert not np.array_equal(np.asarray(codes_ign), ref_codes)
+
+    hf.zero_grad()
+    logits_t = reference_logits(hf, ids, mask, pv, grid, table=table, codes_in=ref_codes, grad=True)
+    ce = torch.nn.functional.cross_entropy(logits_t[torch.tensor(learned)],
+                                           torch.tensor(targets[learned]).long(), reduction="sum")
+    ce.backward()
+    np.testing.assert_allclose(float(loss), ce.item(), rtol=1e-5)
+    for got, want in [(g["lm_head"]["kernel"], hf.lm_head.weight.grad.numpy().T),
+                      (g["text"]["embed"]["embedding"], hf.model.language_model.embed_tokens.weight.grad.numpy())]:
+        assert np.abs(want).max() > 0
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4 * np.abs(want).max())

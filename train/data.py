@@ -16,7 +16,8 @@ Shapes are fixed so the jitted step compiles once:
 Text is tokenized once, in the index pass at start (cheap, and malformed lines or missing images fail before
 step 1, naming file and line); image decoding is lazy, in grain's read threads. Supervised tokens are the
 assistant replies, each tokenized on its own as at generation time (`Processor.encode_supervised`):
-`targets[i] = ids[i+1]` where token i+1 is supervised.
+`targets[i] = ids[i+1]` where token i+1 is supervised, `NO_LOSS` instead where that token is not learned
+(`"loss": false` on the assistant message or one of its text items: `mark_loss`), `IGNORE` elsewhere.
 The order is a pure function of `train.seed`; the iterator state (grain's, a small dict) goes into every
 checkpoint. `synthetic` draws tokens from a generator seeded by (seed, record index): no files at all.
 """
@@ -31,10 +32,11 @@ import jax
 import numpy as np
 
 from prisma_jax.inputs import prepare
+from prisma_jax.processing import resolve_messages
 from prisma_jax.vision import VisionGeometry, vision_geometry
 
 from .config import Config
-from .step import TrainBatch
+from .step import IGNORE, NO_LOSS, TrainBatch
 
 
 @dataclasses.dataclass
@@ -42,6 +44,7 @@ class Record:
     ids: np.ndarray        # [n] int32, n ≤ seq_len
     supervised: np.ndarray  # [n] bool: assistant tokens
     images: list[str]      # absolute paths, in order, one per image run kept
+    learned: np.ndarray | None = None   # [n] bool: supervised tokens with a loss (None: all supervised ones)
 
 
 @dataclasses.dataclass
@@ -82,34 +85,49 @@ def _fail(policy: str, info: DataInfo, msg: str):
     info.skipped_malformed += 1
 
 
-def _message_images(messages: list, where: str, base: str) -> list[str]:
-    roles = ("system", "user", "assistant")
-    out = []
+def mark_loss(messages: list, where: str) -> tuple[list, list[bool]]:
+    """The `"loss"` flags of a conversation: (a copy of `messages` in which every text item whose own flag
+    differs from its message's is wrapped in `FLIP_OPEN … FLIP_CLOSE`, each assistant message's flag in order).
+
+    `"loss": false` on an assistant message: none of its reply is learned, its end token included; on a text
+    item of an assistant message: that text is not learned (`"loss": true` on an item of a `"loss": false`
+    message: only that text is). Not learned = target NO_LOSS: no loss, no gradient, but the code of the
+    distribution it is drawn from still feeds the next position (docs/introspection-contract.md §4)."""
+    from prisma_jax.processing import FLIP_CLOSE, FLIP_OPEN
+
+    def flag(obj, what, default=True):
+        v = obj.get("loss", default)
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}: {what} 'loss' must be true or false, got {v!r}")
+        return v
+
+    out, spans = [], []
     for j, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in roles or "content" not in msg:
-            raise ValueError(f"{where}: messages[{j}] must be an object with role in {roles} and content")
-        content = msg["content"]
-        if isinstance(content, str):
+        if msg.get("role") != "assistant":
+            if "loss" in msg or (isinstance(msg["content"], list) and any("loss" in it for it in msg["content"])):
+                raise ValueError(f"{where}: messages[{j}] is a {msg.get('role')} message: 'loss' applies to "
+                                 "assistant messages and their text items only")
+            out.append(msg)
             continue
-        if not isinstance(content, list):
-            raise ValueError(f"{where}: messages[{j}].content must be a string or a list of items")
-        for item in content:
-            if not isinstance(item, dict) or item.get("type") not in ("text", "image"):
-                raise ValueError(f"{where}: messages[{j}] has an item that is not {{type: text|image}}")
-            if item["type"] == "image":
-                p = item.get("image", item.get("path"))
-                if not isinstance(p, str):
-                    raise ValueError(f"{where}: messages[{j}] image item needs a local path in 'image'")
-                p = p if os.path.isabs(p) else os.path.join(base, p)
-                if not os.path.isfile(p):
-                    raise ValueError(f"{where}: image not found: {p}")
-                item["image"] = p
-                out.append(p)
-            elif not isinstance(item.get("text"), str):
-                raise ValueError(f"{where}: messages[{j}] text item needs a string 'text'")
-    if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant message (nothing to supervise)")
-    return out
+        default = flag(msg, f"messages[{j}]")
+        spans.append(default)
+        content = msg["content"]
+        if isinstance(content, list):
+            items = []
+            for item in content:
+                own = flag(item, f"messages[{j}] item", default)
+                if "loss" in item and item["type"] != "text":
+                    raise ValueError(f"{where}: messages[{j}] has 'loss' on a {item['type']} item: text items only")
+                if item["type"] == "text" and (FLIP_OPEN in item["text"] or FLIP_CLOSE in item["text"]):
+                    raise ValueError(f"{where}: messages[{j}] text holds a reserved character U+E000/U+E001")
+                if own != default and item["type"] == "text":
+                    item = {**item, "text": FLIP_OPEN + item["text"] + FLIP_CLOSE}
+                items.append(item)
+            content = items
+        elif FLIP_OPEN in content or FLIP_CLOSE in content:
+            raise ValueError(f"{where}: messages[{j}] text holds a reserved character U+E000/U+E001")
+        out.append({**msg, "content": content})
+    return out, spans
 
 
 def _tokens_per_image(cfg: Config) -> int:
@@ -155,15 +173,18 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
             try:
                 if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or not rec["messages"]:
                     raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
-                images = _message_images(rec["messages"], where, base)
+                images = resolve_messages(rec["messages"], where, base)
+                if not any(m.get("role") == "assistant" for m in rec["messages"]):
+                    raise ValueError(f"{where}: no assistant message (nothing to supervise)")
                 if len(images) > d.max_images:
                     raise ValueError(f"{where}: {len(images)} images, more than data.max_images = {d.max_images}")
+                messages, span_loss = mark_loss(rec["messages"], where)
             except ValueError as e:
                 _fail(d.on_malformed, info, str(e))
                 continue
-            text = processor.apply_chat_template(rec["messages"], add_generation_prompt=False)
+            text = processor.apply_chat_template(messages, add_generation_prompt=False)
             text = expand_image_tokens(text, [grid] * len(images), cfg.model.vision.spatial_merge_size)
-            ids, sup = processor.encode_supervised(text)
+            ids, sup, learned = processor.encode_supervised(text, span_loss)
             if ids.size and (ids.min() < 0 or ids.max() >= cfg.model.text.vocab_size):
                 raise ValueError(f"{where}: token id {int(ids.max())} outside the model vocabulary "
                                  f"{cfg.model.text.vocab_size} (processor and model disagree)")
@@ -173,9 +194,9 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
                     continue
                 cut = _cut(cfg, ids, s)
                 info.truncated += 1
-                ids, sup = ids[:cut], sup[:cut]
+                ids, sup, learned = ids[:cut], sup[:cut], learned[:cut]
                 images = images[:int(np.sum(ids == cfg.model.image_token_id)) // _tokens_per_image(cfg)]
-            records.append(Record(ids.astype(np.int32), sup.astype(bool), images))
+            records.append(Record(ids.astype(np.int32), sup.astype(bool), images, learned.astype(bool)))
     info.records = len(records)
     if not records:
         raise ValueError(f"{path}: no usable records ({info.line()})")
@@ -199,7 +220,10 @@ class LoadImages:
         ids[:n] = rec.ids
         sup = np.zeros(s, bool)
         sup[:n] = rec.supervised
-        out = {"ids": ids, "mask": np.arange(s) < n, "supervised": sup, "pixels": None}
+        learned = sup.copy()
+        if rec.learned is not None:
+            learned[:n] &= rec.learned
+        out = {"ids": ids, "mask": np.arange(s) < n, "supervised": sup, "learned": learned, "pixels": None}
         if rec.images:
             from PIL import Image
 
@@ -259,6 +283,7 @@ class Collate:
             ids = np.stack([r["ids"] for r in rows])
             mask = np.stack([r["mask"] for r in rows])
             sup = np.stack([r["supervised"] for r in rows])
+            learned = np.stack([r.get("learned", r["supervised"]) for r in rows])
             packed = []                                           # each row's images first in its slots
             for j, r in enumerate(rows):
                 px = self._row_pixels(r, a * self.b + j)
@@ -268,7 +293,8 @@ class Collate:
             pv = np.concatenate(packed) if packed else None
             grids = None if pv is None else np.array([self.grid] * (len(pv) // self.patches))
             b = prepare(m, ids, mask, pv, grids)                  # validation, positions, prompt-rule codes
-            targets = np.where(np.pad(sup[:, 1:], ((0, 0), (0, 1))), np.pad(ids[:, 1:], ((0, 0), (0, 1))), -1)
+            nxt = lambda x: np.pad(x[:, 1:], ((0, 0), (0, 1)))       # noqa: E731  (token i+1's value at i)
+            targets = np.where(nxt(sup), np.where(nxt(learned), nxt(ids), NO_LOSS), IGNORE)
             cols["input_ids"].append(b.input_ids)
             cols["attention_mask"].append(b.attention_mask)
             cols["codes"].append(b.codes)

@@ -2,9 +2,9 @@
 
     for each micro-batch (lax.scan over grad_accum):
         codes ← prompt rule;  P−1 stop-gradient passes: codes ← shift_codes(code(logits))   (INTROSPECTION §4)
-        last pass with gradients: logits → cross-entropy over supervised targets (sum)
+        last pass with gradients: logits → cross-entropy over learned targets (sum; NO_LOSS feeds codes only)
         (every pass's head + loss/entropy: `head_xent`, in sequence chunks of `train.logits_chunk`)
-    grads / (supervised tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
+    grads / (learned tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
 
 Weight decay (decoupled, AdamW's) applies to kernels and embedding tables (the uncertainty table included),
 never to norm scales or biases, chosen by leaf name (`decay_mask`), so stacked layers change nothing.
@@ -40,6 +40,16 @@ from prisma_jax.vision import VisionGeometry
 from .config import Config
 
 LOW, HIGH = 0.25, 0.75   # code summary thresholds, as fractions of the code range [0, L−1]
+# Target values that are not a token id. IGNORE: the position is not supervised (prompt, padding): no loss, and its
+# logits' code is not fed to the next position (the prompt rule stays there). NO_LOSS: the next token is part of a
+# reply but not learned (`"loss": false` in the data, train/data.py): no loss and no gradient, yet its code is fed
+# to the next position as generation would feed it (docs/introspection-contract.md §4).
+IGNORE, NO_LOSS = -1, -2
+
+
+def feeds_code(targets: jax.Array) -> jax.Array:
+    """Where a position's code reaches the next position in passes ≥ 2: a learned target or NO_LOSS."""
+    return (targets >= 0) | (targets == NO_LOSS)
 
 
 class TrainBatch(NamedTuple):
@@ -48,7 +58,8 @@ class TrainBatch(NamedTuple):
     attention_mask: jax.Array   # [A, b, S] bool
     codes: jax.Array            # [A, b, S] int32 prompt-rule codes (−1 = none)
     positions: jax.Array        # [A, 3, b, S] int32 M-RoPE positions
-    targets: jax.Array          # [A, b, S] int32 next-token target of each position, −1 = not supervised
+    targets: jax.Array          # [A, b, S] int32 next-token target of each position: IGNORE (−1) = not
+    #                             supervised, NO_LOSS (−2) = not learned but its code fed on (`feeds_code`)
     pixel_values: jax.Array | None = None   # [A, b, max_images·patches, C·T·P·P] each row's image slots
     geometry: VisionGeometry | None = None  # of one row's slots: the same for every row, micro-batch and host
 
@@ -199,12 +210,13 @@ def micro(batch: TrainBatch, i) -> tuple[Batch, jax.Array]:
 def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
     """(the bound model, final hidden states [b, S, D] of the last introspection pass, the codes it was fed).
 
-    Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised the
-    code of pass k−1's head there (`shift_codes`), every other position keeps the prompt rule. A pass's codes
-    come from `head_xent`'s entropies, in chunks of `train.logits_chunk` like the loss.
+    Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised (a
+    learned target or NO_LOSS: `feeds_code`) the code of pass k−1's head there (`shift_codes`), every other
+    position keeps the prompt rule. A pass's codes come from `head_xent`'s entropies, in chunks of
+    `train.logits_chunk` like the loss.
     """
     m = cfg.model
-    supervised = targets >= 0
+    supervised = feeds_code(targets)
     codes = mb.codes
     if cfg.train.introspection_passes > 1:
         fixed = jax.lax.stop_gradient(params)
@@ -229,10 +241,10 @@ def training_logits(cfg: Config, params: dict, mb: Batch, targets: jax.Array, re
 
 @jax.custom_vjp
 def xent_and_entropy(logits: jax.Array, targets: jax.Array):
-    """Per-position cross-entropy [b, S] (0 where targets < 0) and entropy [b, S] (no gradient) of float32
-    logits [b, S, V], from one exp pass over the vocabulary (`entropy_parts`); the backward reuses that pass's
-    softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made XLA:CPU run
-    three exp passes over [b, S, V] per step."""
+    """Per-position cross-entropy [b, S] (0 where targets < 0: IGNORE and NO_LOSS) and entropy [b, S] (no
+    gradient) of float32 logits [b, S, V], from one exp pass over the vocabulary (`entropy_parts`); the backward
+    reuses that pass's softmax instead of recomputing it. Plain autodiff of logsumexp plus a separate entropy made
+    XLA:CPU run three exp passes over [b, S, V] per step."""
     return _xent_fwd(logits, targets)[0]
 
 
@@ -258,7 +270,7 @@ def head_xent(model, h: jax.Array, targets: jax.Array, chunk: int = 0):
     float32 logits of `model.head(h)`, h [b, S, D]): what the loss and every introspection pass's codes take.
 
     `chunk` > 0 and < S: the sequence is cut into chunks of `chunk` positions (the last one padded with zero
-    hidden states and target −1, its padding dropped from the result) and a `lax.map` runs the head and the
+    hidden states and target IGNORE, its padding dropped from the result) and a `lax.map` runs the head and the
     loss chunk by chunk, each chunk under `jax.checkpoint`: no pass, forward or backward, holds more than
     `[b, chunk, V]` logits (MaxText's vocabulary tiling, along the sequence); the backward recomputes each
     chunk's logits (one more head matmul) instead of keeping its softmax. Each position's logits, loss and
@@ -274,7 +286,7 @@ def head_xent(model, h: jax.Array, targets: jax.Array, chunk: int = 0):
     n = -(-s // chunk)
     pad = n * chunk - s
     hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
-    ts = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-1).reshape(b, n, chunk).swapaxes(0, 1)
+    ts = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=IGNORE).reshape(b, n, chunk).swapaxes(0, 1)
     hs = constrain(hs, (None, "batch", "seq", "embed"))
     out = jax.lax.map(lambda x: jax.checkpoint(one, prevent_cse=False)(*x), (hs, ts))
     return tuple(y.swapaxes(0, 1).reshape(b, n * chunk)[:, :s] for y in out)

@@ -2,9 +2,9 @@
 CPU and measures whether the uncertainty feedback improves calibration.
 
     dataset.py   scenes of coloured shapes, rendered with PIL; questions with answers correct by construction
-    metrics.py   accuracy, ECE and reliability bins, code/correctness correlation (NumPy only)
-    report.py    metrics.json, report.md and the matplotlib plots
-    run.py       the orchestration and the `prisma demo` subcommand
+    report.py    metrics.json, report.md and the matplotlib plots of both arms
+    run.py       the orchestration and the `prisma demo` subcommand; each arm is scored by `prisma eval`'s
+                 `prisma_jax.evaluation.evaluate`
 
 It composes the project's public commands (`prisma train`, `prisma convert`) and APIs (`build_tokenizer`,
 `Processor`, `PrismaVL.generate`); it trains and generates with nothing of its own.

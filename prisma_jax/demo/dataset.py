@@ -49,13 +49,17 @@ NOTHING = "nothing"
 PROBE_TYPES = ("what",)
 PROBE_WORDS = ("at",)
 
+# The self-labelled confidence experiment (benchmarks/introspection.py, prisma_jax/demo/selflabel.py) appends one
+# of these after the model's own answer: "sure" when that answer was right, "unsure" when it was wrong.
+SURE, UNSURE = "sure", "unsure"
+
 # Every word the task can produce (questions and answers), in a fixed order: the tokenizer built from it
 # (prisma_jax.processing.build_tokenizer adds the special tokens and chat roles) never changes.
 VOCABULARY = (
     "what", "color", "shape", "is", "the", "object", "objects", "how", "many", "are", "there", "where", "left", "of",
     "above", "?",
     *COLORS, *SHAPES, *PLURAL.values(), *ROWS, "right", "yes", "no", UNKNOWN,
-    *[str(n) for n in range(GRID * GRID + 1)], CAPTION, "image", NOTHING,
+    *[str(n) for n in range(GRID * GRID + 1)], CAPTION, "image", NOTHING, SURE, UNSURE,
 )
 
 
@@ -201,6 +205,15 @@ def conversation(image_path: str, question: str, answer: str | None = None) -> l
     if answer is not None:
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
     return msgs
+
+
+def eval_item(record: dict) -> dict:
+    """A held-out question as a `prisma eval` item (docs/eval.md): the prompt, the label as the reference,
+    unanswerable questions expecting the abstention text "unknown", the kind as the group; the question, its type
+    and every right answer ride along (the eval answer row's `meta`)."""
+    return {"id": record["id"], "messages": conversation(record["image"], record["question"]),
+            "answer": record["label"], "answerable": record["kind"] != "unanswerable", "group": record["kind"],
+            "question": record["question"], "type": record["type"], "answers": record["answers"]}
 
 
 def make_split(directory: str, name: str, n_images: int, questions_per_image: int, seed: int,

@@ -1,17 +1,21 @@
-"""The demo's outputs: `metrics.json`, `report.md` and its PNG plots (matplotlib, Agg backend).
+"""The demo's outputs beside each arm's `prisma eval` directory: `metrics.json`, `report.md` and PNG plots
+(matplotlib, Agg backend).
 
-    reliability.png   reliability diagrams of both arms side by side (accuracy vs confidence per bin,
-                      bar width ∝ nothing, bin counts annotated), the diagonal = perfect calibration
-    traces.png        per-token uncertainty codes of a few held-out answers, right and wrong, both arms
-    codes.png         distribution of the answer code for right vs wrong answers, both arms
+    reliability.png     reliability diagrams of both arms side by side (prisma_jax.evaluation.plots)
+    risk_coverage.png   both arms' risk–coverage curves on one axes (prisma_jax.evaluation.plots)
+    traces.png          per-token uncertainty codes of a few held-out answers, right and wrong, both arms
+    codes.png           distribution of the answer code for right vs wrong answers, both arms
 
-Not here: computing the metrics (metrics.py) or running anything (run.py).
+Not here: computing the metrics (prisma_jax.evaluation) or running anything (run.py).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+
+from ..evaluation import plots
+from ..evaluation.metrics import json_safe
 
 ARMS = (("feedback", "with feedback (table trained)"), ("no_feedback", "no feedback (table frozen at 0)"))
 
@@ -21,36 +25,6 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
-
-
-def plot_reliability(summaries: dict, path: str) -> None:
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(ARMS), figsize=(4.2 * len(ARMS), 4.0), dpi=80, squeeze=False)
-    for ax, (arm, title) in zip(axes[0], ARMS):
-        s = summaries[arm]
-        rel = s["reliability"]
-        edges = rel["edges"]
-        width = edges[1] - edges[0]
-        centers = [e + width / 2 for e in edges[:-1]]
-        acc = [0.0 if a is None or math.isnan(a) else a for a in rel["accuracy"]]
-        ax.bar(centers, acc, width=width * 0.9, color="#4c72b0", edgecolor="black", label="accuracy")
-        conf = [c for c in rel["confidence"]]
-        xs = [x for x, c in zip(centers, conf) if c is not None and not math.isnan(c)]
-        ys = [c for c in conf if c is not None and not math.isnan(c)]
-        ax.plot(xs, ys, "o", color="#dd8452", label="mean confidence")
-        ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
-        for x, a, n in zip(centers, acc, rel["count"]):
-            if n:
-                ax.text(x, min(a + 0.02, 0.97), str(n), ha="center", fontsize=7)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("confidence (probability of the answer)")
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"{title}\nECE {s['ece']:.3f}", fontsize=9)
-        ax.legend(loc="upper left", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def plot_traces(examples: dict, n_levels: int, path: str) -> None:
@@ -92,7 +66,7 @@ def plot_code_hist(rows: dict, n_levels: int, path: str) -> None:
         for values, color, name in ((right, "#55a868", "right"), (wrong, "#c44e52", "wrong")):
             if values:       # an empty histogram with density=True divides by zero
                 ax.hist(values, bins=bins, alpha=0.6, color=color, label=f"{name} ({len(values)})", density=True)
-        ax.set_xlabel("mean answer code / (L−1)  (normalised entropy)")
+        ax.set_xlabel("answer code (largest of its tokens') / (L−1)  (normalised entropy)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -100,7 +74,7 @@ def plot_code_hist(rows: dict, n_levels: int, path: str) -> None:
     plt.close(fig)
 
 
-def _fmt(x, digits=3) -> str:
+def fmt(x, digits=3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "—"
     return f"{x:.{digits}f}"
@@ -109,13 +83,13 @@ def _fmt(x, digits=3) -> str:
 def table(summaries: dict) -> str:
     """The Markdown table of both arms (also printed by `prisma demo` and summarised in the README)."""
     lines = ["| arm | accuracy (answerable) | 'unknown' when unanswerable | a right answer when ambiguous | "
-             "ECE | corr(code, correct) | AUROC(code → wrong) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "ECE | corr(code, error) | AUROC(code → wrong) | AURC |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, title in ARMS:
         s = summaries[arm]
-        lines.append(f"| {title} | {_fmt(s['accuracy'])} | {_fmt(s['accuracy_unanswerable'])} | "
-                     f"{_fmt(s['accuracy_ambiguous'])} | {_fmt(s['ece'])} | {_fmt(s['code_correctness_corr'])} | "
-                     f"{_fmt(s['code_auroc'])} |")
+        lines.append(f"| {title} | {fmt(s['accuracy'])} | {fmt(s['accuracy_unanswerable'])} | "
+                     f"{fmt(s['accuracy_ambiguous'])} | {fmt(s['ece'])} | {fmt(s['code_error_corr'])} | "
+                     f"{fmt(s['auroc'])} | {fmt(s['aurc'])} |")
     return "\n".join(lines)
 
 
@@ -123,7 +97,7 @@ def flat_metrics(summaries: dict, extra: dict) -> dict:
     """metrics.json: the headline numbers flat (feedback arm unsuffixed, the other `_no_feedback`), then
     each arm's full summary."""
     out = {}
-    keys = ("accuracy", "ece", "code_correctness_corr", "code_auroc", "accuracy_unanswerable",
+    keys = ("accuracy", "ece", "code_error_corr", "auroc", "aurc", "accuracy_unanswerable",
             "accuracy_ambiguous", "accuracy_all", "mean_confidence")
     for arm, suffix in (("feedback", ""), ("no_feedback", "_no_feedback")):
         for k in keys:
@@ -139,8 +113,10 @@ def write_report(directory: str, summaries: dict, rows: dict, examples: dict, n_
     os.makedirs(directory, exist_ok=True)
     metrics = flat_metrics(summaries, extra)
     with open(os.path.join(directory, "metrics.json"), "w") as f:
-        json.dump(_json_safe(metrics), f, indent=2, sort_keys=False)
-    plot_reliability(summaries, os.path.join(directory, "reliability.png"))
+        json.dump(json_safe(metrics), f, indent=2, sort_keys=False)
+    titled = {title: summaries[arm] for arm, title in ARMS}
+    plots.plot_reliability(titled, os.path.join(directory, "reliability.png"))
+    plots.plot_risk_coverage(titled, os.path.join(directory, "risk_coverage.png"))
     plot_traces(examples, n_levels, os.path.join(directory, "traces.png"))
     plot_code_hist(rows, n_levels, os.path.join(directory, "codes.png"))
     s = summaries["feedback"]
@@ -153,14 +129,18 @@ def write_report(directory: str, summaries: dict, rows: dict, examples: dict, n_
         "",
         table(summaries),
         "",
+        "Each arm is one `prisma eval` run (`eval_<arm>/`: answers.jsonl with every answer's per-token trace, "
+        "metrics.json, plots); docs/eval.md defines the metrics.",
+        "",
         "- *accuracy (answerable)*: exact answer on questions the scene determines (the goal is ≥ 0.90).",
         "- *confidence*: the probability the model gave its whole answer (product over its tokens); "
         "*ECE*: expected calibration error over all held-out questions, 10 equal-width bins, "
         "where an answer is right when it equals the question's label (for ambiguous questions the label is "
         "one right answer drawn at random, so 1/k is the calibrated confidence).",
-        "- *corr(code, correct)*: Pearson correlation between the answer's code (the largest among its tokens) "
-        "and correctness (negative: high codes go with wrong answers); *AUROC*: how well the code alone "
-        "separates wrong answers from right ones (0.5 = not at all).",
+        "- *corr(code, error)*: Pearson correlation between the answer's code (the largest among its tokens) "
+        "and error (positive: high codes go with wrong answers); *AUROC*: how well the code alone "
+        "separates wrong answers from right ones (0.5 = not at all); *AURC*: area under the risk–coverage "
+        "curve when the model abstains above a code threshold (lower is better).",
         "",
         f"Wall time {extra.get('wall_time_s', float('nan')):.0f} s "
         f"(training {extra.get('train_time_s', {}).get('feedback', float('nan')):.0f} s + "
@@ -170,6 +150,10 @@ def write_report(directory: str, summaries: dict, rows: dict, examples: dict, n_
         "## Reliability diagrams",
         "",
         "![reliability](reliability.png)",
+        "",
+        "## Risk–coverage (abstaining when the answer's code is above τ)",
+        "",
+        "![risk-coverage](risk_coverage.png)",
         "",
         "## Per-token uncertainty traces (green: right answer, red: wrong)",
         "",
@@ -185,13 +169,3 @@ def write_report(directory: str, summaries: dict, rows: dict, examples: dict, n_
     with open(os.path.join(directory, "report.md"), "w") as f:
         f.write("\n".join(md))
     return metrics
-
-
-def _json_safe(x):
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None
-    return x

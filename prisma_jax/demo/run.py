@@ -2,9 +2,10 @@
 
     dataset (dataset.py) → tokenizer (processing.build_tokenizer)
     → `prisma train` (configs/demo.yaml) for both arms at once (`train_arms`: a subprocess each) → for each arm:
-        `prisma convert train-to-hf` → `prisma convert hf-to-orbax` → `PrismaVL.from_pretrained`
-        → `generate` on the held-out questions (greedy, per-token codes and probabilities)
-    → metrics (metrics.py) → metrics.json, report.md and plots (report.py)
+        `prisma convert train-to-hf` → `prisma convert hf-to-orbax`
+        → `prisma_jax.evaluation.evaluate` on the held-out questions, written as eval items (greedy answers with
+          per-token codes and probabilities, the metrics; `eval_<arm>/`)
+    → both arms' metrics side by side: metrics.json, report.md and plots (report.py)
 
 The two arms start from the same random weights and see the same batches: "feedback" trains the uncertainty
 table (the Prisma mechanism); "no_feedback" starts it at zero and freezes it (`train.freeze=[uncertainty]`),
@@ -22,8 +23,9 @@ import time
 
 import numpy as np
 
+from ..evaluation import evaluate
+from ..evaluation.metrics import normalize
 from . import dataset as D
-from . import metrics as MET
 from . import report as R
 
 ARMS = ("feedback", "no_feedback")
@@ -92,6 +94,25 @@ def initial_checkpoints(model_cfg, seed: int, directory: str, tok_dir: str, eos_
         out[arm] = os.path.join(directory, f"init_{arm}")
         write_hf(p, model_cfg, out[arm], tok_dir, {"eos_token_id": eos_id, "pad_token_id": pad_id})
     return out
+
+
+def train_command(config: str, workdir: str, steps: int, data: str, tok_dir: str, init: str, arm: str,
+                  overrides=()) -> list[str]:
+    """One arm's `prisma train` argv (for `train_arms`): the training config on `data` with the demo tokenizer,
+    from the checkpoint `init`; the no-feedback arm freezes the uncertainty table (`train.freeze=[uncertainty]`,
+    after the overrides, so that nothing undoes it)."""
+    argv = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps), "--no-progress",
+            f"data.path={data}", f"data.processor={tok_dir}", f"train.init={init}", f"train.steps={steps}",
+            *overrides]
+    return argv + (["train.freeze=[uncertainty]"] if arm == "no_feedback" else [])
+
+
+def export_hf(workdir: str, hf_dir: str, tok_dir: str, eos_id: int, pad_id: int) -> str:
+    """`prisma convert train-to-hf` of a finished run, the demo tokenizer included: a Hugging Face checkpoint that
+    `PrismaVL.from_pretrained`, `prisma eval` and `train.init` all take. Returns `hf_dir`."""
+    cli(["convert", "train-to-hf", workdir, hf_dir, "--processor", tok_dir, "--eos-token-id", str(eos_id),
+         "--pad-token-id", str(pad_id)])
+    return hf_dir
 
 
 # Both arms train at once, one process each with one XLA thread on its share of the cores: the tiny model's ops
@@ -163,42 +184,16 @@ def cli(argv: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------ generation
 
 
-def answer_rows(model, processor, records: list[dict], data_dir: str, eos_id: int, progress=None) -> list[dict]:
-    """Greedy answers to the held-out questions with per-token codes and probabilities, one row each."""
-    rows = []
-    n_levels = model.config.n_levels
-    size = min(GEN_BATCH, len(records))
-    for start in range(0, len(records), size):
-        chunk = records[start:start + size]
-        pad = size - len(chunk)                      # one batch shape → one compiled program
-        convs = [D.conversation(os.path.join(data_dir, r["image"]), r["question"]) for r in chunk]
-        convs += [convs[-1]] * pad
-        enc = processor(messages=convs, add_generation_prompt=True)
-        res = model.generate(enc["input_ids"], enc["attention_mask"], enc["pixel_values"], enc["image_grid_thw"],
-                             max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos_id, return_logits=True)
-        logits = res.logits.astype(np.float64)
-        logp = logits - logits.max(-1, keepdims=True)
-        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-        for i, r in enumerate(chunk):
-            n = int(res.lengths[i])
-            toks = [int(t) for t in res.tokens[i, :n]]
-            ended = n > 0 and toks[-1] == eos_id
-            answer_ids = toks[:-1] if ended else toks
-            answer = processor.decode(answer_ids).strip()
-            p_tok = [float(np.exp(logp[i, t, toks[t]])) for t in range(n)]
-            codes = [int(c) for c in res.codes[i, :n]]
-            rows.append({
-                "id": r["id"], "question": r["question"], "type": r["type"], "kind": r["kind"],
-                "label": r["label"], "answers": r["answers"], "answer": answer,
-                "correct": bool(ended and answer == r["label"]), "right": bool(ended and answer in r["answers"]),
-                "confidence": float(np.prod(p_tok)) if p_tok else 0.0,
-                "code": float(max(codes)) if codes else float(n_levels - 1),
-                "tokens": processor.tokenizer.convert_ids_to_tokens(toks), "token_codes": codes,
-                "token_probs": p_tok,
-            })
-        if progress:
-            progress.note(f"generated {min(start + size, len(records))}/{len(records)}")
-    return rows
+def arm_summary(metrics: dict, rows: list[dict]) -> dict:
+    """One arm's eval metrics plus the demo's own split by question kind (eval's `group`): `accuracy` on the
+    questions the scene determines (kind "answerable"; eval's `accuracy` also counts the ambiguous ones against
+    their drawn label) and `accuracy_ambiguous`, the share of ambiguous questions given any right answer."""
+    amb = [normalize(r["prediction"]) in {normalize(a) for a in r["meta"]["answers"]}
+           for r in rows if r["group"] == "ambiguous"]
+    groups = metrics.get("by_group", {})
+    return {**metrics, "accuracy_eval": metrics["accuracy"],
+            "accuracy": groups.get("answerable", {}).get("accuracy", float("nan")),
+            "accuracy_ambiguous": float(np.mean(amb)) if amb else float("nan")}
 
 
 def pick_examples(rows_by_arm: dict, n_right: int = 3, n_wrong: int = 3) -> dict:
@@ -213,17 +208,18 @@ def pick_examples(rows_by_arm: dict, n_right: int = 3, n_wrong: int = 3) -> dict
     chosen = sorted(wrong + right)
 
     def ex(r):
-        return {"question": r["question"], "answer": r["answer"], "label": r["label"], "correct": r["correct"],
-                "tokens": [t.replace("<|im_end|>", "<end>") for t in r["tokens"]], "codes": r["token_codes"]}
+        return {"question": r["meta"]["question"], "answer": r["prediction"], "label": r["reference"],
+                "correct": r["correct"], "tokens": [t.replace("<|im_end|>", "<end>") for t in r["tokens"]],
+                "codes": r["codes"]}
     return {arm: [ex(rows[i]) for i in chosen] for arm, rows in rows_by_arm.items()}
 
 
 def format_samples(rows: list[dict], n: int = 8) -> str:
     lines = []
     for r in rows[:n]:
-        toks = " ".join(f"{t.replace('<|im_end|>', '<end>')}[{c}]" for t, c in zip(r["tokens"], r["token_codes"]))
-        mark = "right" if r["correct"] else f"wrong, label {r['label']!r}"
-        lines.append(f"{r['question']:<40} → {toks:<34} p={r['confidence']:.2f}  ({r['kind']}, {mark})")
+        toks = " ".join(f"{t.replace('<|im_end|>', '<end>')}[{c}]" for t, c in zip(r["tokens"], r["codes"]))
+        mark = "right" if r["correct"] else f"wrong, label {r['reference']!r}"
+        lines.append(f"{r['meta']['question']:<40} → {toks:<34} p={r['confidence']:.2f}  ({r['group']}, {mark})")
     return "\n".join(lines)
 
 
@@ -235,8 +231,6 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
              questions_per_image: int = D.QUESTIONS_PER_IMAGE, seed: int = 0,
              progress_bar: bool = True, overrides: tuple[str, ...] = ()) -> dict:
     """The whole demo; returns the flat metrics (also in `out/metrics.json`)."""
-    from prisma_jax import PrismaVL
-    from prisma_jax.processing import Processor
     from train.config import load_train_config
 
     config = os.path.abspath(config or DEFAULT_CONFIG)
@@ -245,7 +239,7 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
     os.makedirs(parent, exist_ok=True)
     cfg, _ = load_train_config(config, list(overrides))
     steps = steps or cfg.train.steps
-    prog = Progress(4 + 3 * len(ARMS))
+    prog = Progress(4 + 2 * len(ARMS))
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
     try:
         data_dir, tok_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
@@ -258,44 +252,33 @@ def run_demo(out: str = "demo_out", config: str | None = None, steps: int | None
         ids = build_tokenizer_dir(tok_dir, cfg.model)
         eos, pad = ids["eos_token_id"], ids["pad_token_id"]
         inits = initial_checkpoints(cfg.model, seed, os.path.join(tmp, "checkpoints"), tok_dir, eos, pad)
-        processor = Processor.from_pretrained(tok_dir)
         heldout = D.read_jsonl(info["heldout"])
+        items = os.path.join(data_dir, "heldout_eval.jsonl")          # the held-out questions as eval items
+        D.write_jsonl(items, [D.eval_item(r) for r in heldout])
         workdirs = {arm: os.path.join(tmp, "runs", arm) for arm in ARMS}
-        commands = {}
-        for arm, workdir in workdirs.items():
-            commands[arm] = ["train", "--config", config, "--workdir", workdir, "--steps", str(steps), "--no-progress",
-                             f"data.path={info['train']}", f"data.processor={tok_dir}", f"train.init={inits[arm]}",
-                             f"train.steps={steps}", *overrides]
-            if arm == "no_feedback":
-                commands[arm].append("train.freeze=[uncertainty]")
+        commands = {arm: train_command(config, workdir, steps, info["train"], tok_dir, inits[arm], arm, overrides)
+                    for arm, workdir in workdirs.items()}
         prog.stage(f"train both arms at once, {steps} steps each (logs: runs/train_<arm>.log)")
         for arm, args in commands.items():
             shown = " ".join(a if "=" not in a else a.split("=")[0] + "=…" for a in args)
             prog.note(f"[{arm}] prisma {shown}")
         train_time = train_arms(commands, workdirs, os.path.join(tmp, "runs"), steps, prog if progress_bar else None)
-        rows = {}
+        rows, summaries = {}, {}
         for arm, workdir in workdirs.items():
             hf_dir = os.path.join(tmp, "checkpoints", f"{arm}_hf")
             orbax_dir = os.path.join(tmp, "checkpoints", f"{arm}_orbax")
             prog.stage(f"convert [{arm}]: trained params → {os.path.basename(hf_dir)} → prisma convert hf-to-orbax")
-            cli(["convert", "train-to-hf", workdir, hf_dir, "--processor", tok_dir, "--eos-token-id", str(eos),
-                 "--pad-token-id", str(pad)])
-            cli(["convert", "hf-to-orbax", hf_dir, orbax_dir])
-            prog.stage(f"generate [{arm}]: {len(heldout)} held-out questions, greedy, batch {GEN_BATCH}")
-            model = PrismaVL.from_pretrained(orbax_dir)
-            rows[arm] = answer_rows(model, processor, heldout, data_dir, eos, prog)
+            cli(["convert", "hf-to-orbax", export_hf(workdir, hf_dir, tok_dir, eos, pad), orbax_dir])
+            prog.stage(f"evaluate [{arm}]: {len(heldout)} held-out questions, greedy, batch {GEN_BATCH} → eval_{arm}/")
+            eval_dir = os.path.join(tmp, f"eval_{arm}")
+            metrics = evaluate(orbax_dir, items, eval_dir, batch=GEN_BATCH, max_new_tokens=MAX_NEW_TOKENS,
+                               abstain_text=D.UNKNOWN, progress=progress_bar)
+            rows[arm] = D.read_jsonl(os.path.join(eval_dir, "answers.jsonl"))
+            summaries[arm] = s = arm_summary(metrics, rows[arm])
             print(format_samples(rows[arm]), flush=True)
-            del model
-            prog.stage(f"score [{arm}]")
-            s = MET.summarize(rows[arm])
-            prog.note(f"accuracy (answerable) {s['accuracy']:.3f}  ECE {s['ece']:.3f}  "
-                      f"corr(code, correct) {s['code_correctness_corr']:.3f}")
-        summaries = {arm: MET.summarize(rows[arm]) for arm in ARMS}
+            prog.note(f"accuracy (answerable) {R.fmt(s['accuracy'])}  ECE {R.fmt(s['ece'])}  "
+                      f"AUROC(code → wrong) {R.fmt(s['auroc'])}  AURC {R.fmt(s['aurc'])}")
         prog.stage("report: metrics.json, report.md, plots")
-        with open(os.path.join(tmp, "answers.jsonl"), "w") as f:
-            for arm in ARMS:
-                for r in rows[arm]:
-                    f.write(json.dumps({"arm": arm, **r}) + "\n")
         extra = {"wall_time_s": prog.elapsed(), "train_time_s": train_time, "steps": steps,
                  "n_train": info["n_train"], "n_heldout": info["n_heldout"], "heldout_kinds": info["heldout_kinds"],
                  "config": os.path.relpath(config), "seed": seed}
