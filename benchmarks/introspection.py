@@ -152,7 +152,7 @@ def run_seed(seed: int, st: dict, directory: str, prog) -> dict:
     words = {}
     held = D.read_jsonl(heldout)
     score_cfg, _ = load_train_config(st["config"], [*overrides, f"data.path={heldout}", f"data.processor={tok_dir}",
-                                                    f"train.introspection_passes={LABEL_PASSES}"])
+                                                    f"train.introspection_passes={LABEL_PASSES}", "train.grad_accum=1"])
     proc = Processor.from_pretrained(tok_dir)
     for arm in R.ARMS:
         forced = os.path.join(data_dir, f"heldout_selflabel_{arm}.jsonl")     # its stage-1 answers, then the word

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 
@@ -34,7 +35,7 @@ def parse_mesh(text: str | None):
     sizes = {}
     for part in text.split(","):
         k, eq, v = part.partition("=")
-        if not eq or not v.strip().lstrip("-").isdigit():
+        if not eq or not re.fullmatch(r"\s*-?\d+\s*", v):
             raise ValueError(f"--mesh {text!r}: expected a preset ({', '.join(PRESETS)}) or axis sizes such as "
                              "data=2,fsdp=1,tensor=4")
         sizes[k.strip()] = int(v)
@@ -76,19 +77,22 @@ def add_parser(subparsers) -> None:
     p.add_argument("--abstain-above", type=int, default=None, metavar="TAU",
                    help="stop a row at its first token whose code exceeds TAU (0 ≤ TAU < 2**n_bits) and "
                         "answer it with --abstain-text")
-    p.add_argument("--abstain-text", default=ABSTAIN_TEXT, help=f"an abstaining row's answer ({ABSTAIN_TEXT!r})")
+    p.add_argument("--abstain-text", default=None,
+                   help=f"an abstaining row's answer (default {ABSTAIN_TEXT!r}); needs --abstain-above")
     p.add_argument("--json", action="store_true",
                    help="print tokens, text, codes, entropies and abstained / abstain_step as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from .generate import enable_compilation_cache
+    from .generate import ABSTAIN_TEXT, enable_compilation_cache
     from .processing import Processor, load_image
     from .sampling import check_sampling
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
+    if args.abstain_text is not None and args.abstain_above is None:
+        raise ValueError("--abstain-text needs --abstain-above TAU (without it no row abstains)")
     check_sampling(args.temperature, args.top_k, args.top_p, args.uncertainty_power)
     mesh = parse_mesh(args.mesh)
     proc = Processor.from_pretrained(args.model)
@@ -114,7 +118,7 @@ def run(args) -> int:
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, eos_token_id=eos, pad_token_id=pad,
                          uncertainty_power=args.uncertainty_power, return_entropies=True,
-                         abstain_above=args.abstain_above, abstain_text=args.abstain_text)
+                         abstain_above=args.abstain_above, abstain_text=args.abstain_text or ABSTAIN_TEXT)
     out = []
     for i, (prompt, text) in enumerate(zip(args.prompt, res.texts(proc))):
         n = int(res.lengths[i])

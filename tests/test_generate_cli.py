@@ -55,6 +55,8 @@ def test_cli_json_matches_the_api(ckpt, capsys):
     (["--top-p", "0"], "top_p"),
     (["--mesh", "bogus"], "--mesh 'bogus': expected a preset"),
     (["--mesh", "data=0"], "axis 'data' must be a positive integer"),
+    (["--mesh", "data=--2"], "--mesh 'data=--2': expected a preset"),
+    (["--abstain-text", "no idea"], "--abstain-text needs --abstain-above"),
 ])
 def test_cli_bad_input_is_one_line(ckpt, capsys, extra, match, tmp_path):
     d, _ = ckpt

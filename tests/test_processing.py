@@ -227,6 +227,9 @@ def test_loss_flags_bad_input():
         ([{"role": "assistant", "content": [{**text, "loss": "no"}]}], "item 'loss' must be true or false"),
         ([{"role": "assistant", "content": [{"type": "image", "image": "a.png", "loss": False}]}], "text items only"),
         ([{"role": "assistant", "content": "a\ue000"}], "reserved character"),
+        ([{"role": "user", "content": "q\ue001"}, {"role": "assistant", "content": "a"}],
+         r"f.jsonl:3: messages\[0\] text holds a reserved character"),
+        ([{"role": "system", "content": [{**text, "text": "\ue000"}]}], r"messages\[0\] text holds a reserved"),
     ]:
         with pytest.raises(ValueError, match=match):
             mark_loss(conv, "f.jsonl:3")

@@ -103,6 +103,10 @@ def mark_loss(messages: list, where: str) -> tuple[list, list[bool]]:
 
     out, spans = [], []
     for j, msg in enumerate(messages):
+        texts = ([msg["content"]] if isinstance(msg["content"], str) else
+                 [it["text"] for it in msg["content"] if it.get("type") == "text"])
+        if any(FLIP_OPEN in t or FLIP_CLOSE in t for t in texts):      # any role: they mark the flags' spans
+            raise ValueError(f"{where}: messages[{j}] text holds a reserved character U+E000/U+E001")
         if msg.get("role") != "assistant":
             if "loss" in msg or (isinstance(msg["content"], list) and any("loss" in it for it in msg["content"])):
                 raise ValueError(f"{where}: messages[{j}] is a {msg.get('role')} message: 'loss' applies to "
@@ -118,14 +122,10 @@ def mark_loss(messages: list, where: str) -> tuple[list, list[bool]]:
                 own = flag(item, f"messages[{j}] item", default)
                 if "loss" in item and item["type"] != "text":
                     raise ValueError(f"{where}: messages[{j}] has 'loss' on a {item['type']} item: text items only")
-                if item["type"] == "text" and (FLIP_OPEN in item["text"] or FLIP_CLOSE in item["text"]):
-                    raise ValueError(f"{where}: messages[{j}] text holds a reserved character U+E000/U+E001")
                 if own != default and item["type"] == "text":
                     item = {**item, "text": FLIP_OPEN + item["text"] + FLIP_CLOSE}
                 items.append(item)
             content = items
-        elif FLIP_OPEN in content or FLIP_CLOSE in content:
-            raise ValueError(f"{where}: messages[{j}] text holds a reserved character U+E000/U+E001")
         out.append({**msg, "content": content})
     return out, spans
 
@@ -179,12 +179,12 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
                 if len(images) > d.max_images:
                     raise ValueError(f"{where}: {len(images)} images, more than data.max_images = {d.max_images}")
                 messages, span_loss = mark_loss(rec["messages"], where)
+                text = processor.apply_chat_template(messages, add_generation_prompt=False)
+                text = expand_image_tokens(text, [grid] * len(images), cfg.model.vision.spatial_merge_size)
+                ids, sup, learned = processor.encode_supervised(text, span_loss)
             except ValueError as e:
-                _fail(d.on_malformed, info, str(e))
+                _fail(d.on_malformed, info, str(e) if str(e).startswith(where) else f"{where}: {e}")
                 continue
-            text = processor.apply_chat_template(messages, add_generation_prompt=False)
-            text = expand_image_tokens(text, [grid] * len(images), cfg.model.vision.spatial_merge_size)
-            ids, sup, learned = processor.encode_supervised(text, span_loss)
             if ids.size and (ids.min() < 0 or ids.max() >= cfg.model.text.vocab_size):
                 raise ValueError(f"{where}: token id {int(ids.max())} outside the model vocabulary "
                                  f"{cfg.model.text.vocab_size} (processor and model disagree)")

@@ -293,7 +293,8 @@ def head_xent(model, h: jax.Array, targets: jax.Array, chunk: int = 0):
 
 
 def _micro_loss(params, cfg: Config, mb: Batch, targets):
-    """Summed cross-entropy over supervised positions, and code statistics (sums) of the last pass."""
+    """Summed cross-entropy over learned targets (≥ 0: not IGNORE, not NO_LOSS), and code statistics (sums) of
+    the last pass."""
     model, h, _ = _last_pass(cfg, params, mb, targets, cfg.train.remat)
     sup = targets >= 0
     loss, ent = head_xent(model, h, targets, cfg.train.logits_chunk)

@@ -45,6 +45,9 @@ def evaluate(model_dir: str, data_path: str, out_dir: str, batch: int = BATCH, m
             raise ValueError(f"--{name} must be an integer ≥ 1, got {v}")
     if not MET.normalize(abstain_text):
         raise ValueError(f"--abstain-text {abstain_text!r} is empty once normalised (docs/eval.md)")
+    if isinstance(mesh, str):              # a preset means its generation mesh, as `--mesh` does
+        from ..generate_cli import parse_mesh
+        mesh = parse_mesh(mesh)
     out = check_out_dir(out_dir)
     items = read_items(data_path, abstain_text)
 
