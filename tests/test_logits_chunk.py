@@ -17,7 +17,6 @@ from test_train_step import TINY, make_cfg, samples
 from train import step as S
 from train.config import config_from_raw
 from train.data import Collate
-from train.loop import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
