@@ -79,6 +79,7 @@ class ModelConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
+    attention: str = "auto"  # auto | xla | pallas: the attention kernels (prisma_jax/attention.py)
     n_bits: int = 16  # uncertainty code width: table rows L = 2**n_bits (docs/introspection-contract.md §1)
 
     @property
@@ -141,6 +142,8 @@ def _check(cfg: ModelConfig) -> ModelConfig:
         problems.append("vision.deepstack_visual_indexes must be sorted, distinct and in [0, depth)")
     if len(v.deepstack_visual_indexes) > t.num_hidden_layers:
         problems.append("more DeepStack indexes than text layers")
+    if cfg.attention not in ("auto", "xla", "pallas"):
+        problems.append(f"attention must be one of auto, xla, pallas, got {cfg.attention!r}")
     if not 1 <= cfg.n_bits <= 16:
         problems.append(f"n_bits must be in [1, 16] (codes are uint16), got {cfg.n_bits}")
     if problems:

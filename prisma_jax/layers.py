@@ -128,23 +128,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotate_half(x) * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, batch_axis: str = "batch") -> jax.Array:
-    """Grouped-query attention.
-
-    q [B, Sq, H, hd], k/v [B, Sk, KV, hd], mask [B, Sq, Sk] bool (True = may attend) → [B, Sq, H, hd].
-    `batch_axis`: the logical name of B (the vision tower's frames are "frames", sharding.LOGICAL_RULES).
-    Scores and softmax in float32; the weights are cast back to v's dtype before the value product.
-    """
-    b, sq, h, hd = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, sq, kv, h // kv, hd)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", w, v)
-    return constrain(out.reshape(b, sq, h, hd), (batch_axis, "seq", "heads", None))
-
-
 def torch_inv_freq(dim: int, theta: float) -> jax.Array:
     """`1 / theta ** (arange(0, dim, 2) / dim)` as transformers computes it in float32.
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .attention import causal
 from .layers import Dense
 from .rope import mrope_cos_sin
 from .sharding import constrain
@@ -32,21 +33,11 @@ from .vision import VisionGeometry, VisionTower, tile_geometry
 
 class Batch(NamedTuple):
     input_ids: jax.Array                 # [B, S] int32
-    attention_mask: jax.Array            # [B, S] bool
+    attention_mask: jax.Array            # [B, S] bool, or int32 segment ids of packed rows (0 = padding)
     codes: jax.Array                     # [B, S] int32 incoming uncertainty codes, −1 = none
     positions: jax.Array                 # [3, B, S] int32 M-RoPE positions
     pixel_values: jax.Array | None = None   # [N_patch, C·T·P·P] packed, or [B, N_row, C·T·P·P] per row
     geometry: VisionGeometry | None = None  # of the packed patches, or of one row's N_row (the same for every row)
-
-
-def attention_mask(key_valid: jax.Array, write_pos, n_query: int) -> jax.Array:
-    """Causal + padding mask [B, S_q, S_k]: query at slot write_pos+i sees valid keys at slots ≤ its own.
-    A query always sees itself, so padded rows stay finite."""
-    s_k = key_valid.shape[1]
-    q_slot = write_pos + jnp.arange(n_query)
-    k_slot = jnp.arange(s_k)
-    causal = k_slot[None, :] <= q_slot[:, None]
-    return (causal[None] & key_valid[:, None, :]) | (k_slot[None, :] == q_slot[:, None])[None]
 
 
 class PrismaVLModule(nnx.Module):
@@ -56,8 +47,8 @@ class PrismaVLModule(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, uncertainty_init: str = "normal", lora=None):
         self.cfg = cfg
-        self.vision = VisionTower(cfg.vision, lora=lora, rngs=rngs)
-        self.text = TextModel(cfg.text, lora=lora, rngs=rngs)
+        self.vision = VisionTower(cfg.vision, attention=cfg.attention, lora=lora, rngs=rngs)
+        self.text = TextModel(cfg.text, attention=cfg.attention, lora=lora, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Dense(cfg.text.hidden_size, cfg.text.vocab_size, ("hidden", "vocab"), bias=False, rngs=rngs))
         self.uncertainty = Uncertainty(cfg.n_levels, cfg.text.hidden_size, (cfg.image_token_id, cfg.video_token_id),
@@ -94,13 +85,14 @@ class PrismaVLModule(nnx.Module):
         """Final-normed hidden states [B, S, D] and the updated cache.
 
         Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
-        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens. `mask [B, S, S_k]`
-        (True = may attend) replaces the causal mask built from those (prisma_jax/tunix.py: Tunix brings its own)."""
+        `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens (bool, or segment ids).
+        The mask is causal within each segment (prisma_jax/attention.py); a dense `mask [B, S, S_k]` (True = may
+        attend) replaces it (prisma_jax/tunix.py: Tunix brings its own)."""
         x, ds = self.embed(batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
                            remat=remat_policy is not None)
         cos, sin = mrope_cos_sin(self.cfg, batch.positions, x.dtype)
         if mask is None:
-            mask = attention_mask(batch.attention_mask if key_valid is None else key_valid, write_pos, x.shape[1])
+            mask = causal(batch.attention_mask if key_valid is None else key_valid, write_pos, x.shape[1])
         return self.text(x, cos, sin, mask, cache, write_pos, ds, remat_policy)
 
     def head(self, h: jax.Array) -> jax.Array:

@@ -4,7 +4,8 @@
 final norm. One call serves a full forward, a prefill that fills a KV cache, and a cached decode step: the
 cache is `{"k", "v"}: [layers, B, S_max, KV, hd]`, scanned alongside the split layer state by one `lax.scan`
 (compile time flat in depth), and new keys/values are written at slot `write_pos`. Which keys a query may see
-is the caller's `mask [B, S_q, S_k]`.
+is the caller's `attention.Mask` (or a dense `[B, S_q, S_k]` one); `attention` names the implementation
+(prisma_jax/attention.py).
 
 Unrolled layout (`unstack_layers`): `layers` a list of per-layer modules and the cache tuples of per-layer
 arrays, run by a Python loop. XLA:CPU copies a scanned layer's weight slice out of the stack before every
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import TextConfig
-from .layers import Dense, Embed, RMSNorm, apply_rope, attention, layer_slices, stacked, unstack
+from .attention import attention
+from .layers import Dense, Embed, RMSNorm, apply_rope, layer_slices, stacked, unstack
 from .lora import adapter
 from .sharding import CACHE_AXES, constrain
 
@@ -41,9 +43,10 @@ def image_features(features: jax.Array, index: jax.Array) -> jax.Array:
 
 
 class TextAttention(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, attention: str = "auto", lora=None, rngs: nnx.Rngs):
         d, hd, h, kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.cfg = cfg
+        self.impl = attention
         self.q_proj = Dense(d, h * hd, ("hidden", "heads"), bias=False, lora=adapter(lora, "q_proj"), rngs=rngs)
         self.k_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=adapter(lora, "k_proj"), rngs=rngs)
         self.v_proj = Dense(d, kv * hd, ("hidden", "kv_heads"), bias=False, lora=adapter(lora, "v_proj"), rngs=rngs)
@@ -63,7 +66,7 @@ class TextAttention(nnx.Module):
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), write_pos, axis=1)
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), write_pos, axis=1)
             k, v = k_cache.astype(h.dtype), v_cache.astype(h.dtype)
-        return self.o_proj(attention(q, k, v, mask).reshape(b, s, -1)), k_cache, v_cache
+        return self.o_proj(attention(q, k, v, mask, self.impl).reshape(b, s, -1)), k_cache, v_cache
 
 
 class TextMLP(nnx.Module):
@@ -78,9 +81,9 @@ class TextMLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, attention: str = "auto", lora=None, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
-        self.attn = TextAttention(cfg, lora=lora, rngs=rngs)
+        self.attn = TextAttention(cfg, attention=attention, lora=lora, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
         self.mlp = TextMLP(cfg, lora=lora, rngs=rngs)
 
@@ -92,13 +95,13 @@ class DecoderLayer(nnx.Module):
 
 
 class TextModel(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, lora=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, attention: str = "auto", lora=None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "hidden"), rngs=rngs)
-        self.layers = stacked(cfg.num_hidden_layers, lambda r: DecoderLayer(cfg, lora=lora, rngs=r), rngs)
+        self.layers = stacked(cfg.num_hidden_layers, lambda r: DecoderLayer(cfg, attention=attention, lora=lora, rngs=r), rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cache: dict | None = None,
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask, cache: dict | None = None,
                  write_pos: jax.Array | int = 0, deepstack: DeepStack | None = None, remat_policy=None):
         """x [B, S, D] (embedded) → final-normed hidden [B, S, D], updated cache (or None)."""
         cfg = self.cfg

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from .config import VisionConfig
-from .layers import Dense, Embed, LayerNorm, apply_rope, attention, layer_slices, stacked, torch_inv_freq
+from .attention import Mask, attention
+from .layers import Dense, Embed, LayerNorm, apply_rope, layer_slices, stacked, torch_inv_freq
 from .lora import adapter
 
 
@@ -90,9 +91,10 @@ def _coords(i: np.ndarray, n: int, s: int) -> np.ndarray:
 
 
 class VisionAttention(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, attention: str = "auto", lora=None, rngs: nnx.Rngs):
         d = cfg.hidden_size
         self.cfg = cfg
+        self.impl = attention
         self.qkv = Dense(d, 3 * d, ("hidden", "mlp"), lora=adapter(lora, "qkv"), rngs=rngs)
         self.proj = Dense(d, d, ("mlp", "hidden"), lora=adapter(lora, "proj"), rngs=rngs)
 
@@ -104,11 +106,11 @@ class VisionAttention(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q = apply_rope(q.astype(jnp.float32), cos, sin).astype(h.dtype)
         k = apply_rope(k.astype(jnp.float32), cos, sin).astype(h.dtype)
-        # mask [1, L, L]: frames of one size attend as a batch of N/L frames of L patches
-        # (L = N: one block-diagonal mask)
-        ln = mask.shape[-1]
+        # mask segments [N/L, L]: frames of one size attend as a batch of N/L frames of L patches
+        # (L = N: one row whose segment ids are the frames)
+        ln = mask.q_segment.shape[-1]
         q, k, v = (a.reshape(n // ln, ln, cfg.num_heads, hd) for a in (q, k, v))
-        return self.proj(attention(q, k, v, mask, "frames").reshape(n, d))
+        return self.proj(attention(q, k, v, mask, self.impl, "frames").reshape(n, d))
 
 
 class VisionMLP(nnx.Module):
@@ -122,9 +124,9 @@ class VisionMLP(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, attention: str = "auto", lora=None, rngs: nnx.Rngs):
         self.norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
-        self.attn = VisionAttention(cfg, lora=lora, rngs=rngs)
+        self.attn = VisionAttention(cfg, attention=attention, lora=lora, rngs=rngs)
         self.norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
         self.mlp = VisionMLP(cfg, lora=lora, rngs=rngs)
 
@@ -157,12 +159,12 @@ class Merger(nnx.Module):
 class VisionTower(nnx.Module):
     """pixel_values [N, C·T·P·P] → merged features [N/m², D] and DeepStack features [n_ds, N/m², D]."""
 
-    def __init__(self, cfg: VisionConfig, *, lora=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, attention: str = "auto", lora=None, rngs: nnx.Rngs):
         dv = cfg.hidden_size
         self.cfg = cfg
         self.patch_embed = Dense(cfg.patch_dim, dv, (None, "hidden"), rngs=rngs)
         self.pos_embed = Embed(cfg.num_position_embeddings, dv, (None, "hidden"), rngs=rngs)
-        self.blocks = stacked(cfg.depth, lambda r: VisionBlock(cfg, lora=lora, rngs=r), rngs)
+        self.blocks = stacked(cfg.depth, lambda r: VisionBlock(cfg, attention=attention, lora=lora, rngs=r), rngs)
         self.merger = Merger(cfg, True, rngs=rngs)
         self.deepstack = stacked(len(cfg.deepstack_visual_indexes), lambda r: Merger(cfg, False, rngs=r), rngs)
 
@@ -179,9 +181,10 @@ class VisionTower(nnx.Module):
         emb = jnp.concatenate([phi, phi], axis=-1)[:, None, :]                      # [N, 1, hd]
         cos, sin = jnp.cos(emb), jnp.sin(emb)
         if geo.frame_len:
-            mask = jnp.ones((1, geo.frame_len, geo.frame_len), bool)
+            seg = jnp.ones((x.shape[0] // geo.frame_len, geo.frame_len), jnp.int32)
         else:
-            mask = (geo.segment[:, None] == geo.segment[None, :])[None]
+            seg = jnp.asarray(geo.segment, jnp.int32)[None] + 1
+        mask = Mask(seg, seg, None)                                                # full within a frame
 
         taps_out, start = [], 0
         stops = [(i + 1, j) for j, i in enumerate(cfg.deepstack_visual_indexes)] + [(cfg.depth, None)]

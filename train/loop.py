@@ -120,6 +120,7 @@ def _initial_params(cfg: Config):
         return None
     from prisma_jax.loading import load_hf
     params, mcfg = load_hf(cfg.train.init, dtype="float32")
+    mcfg = mcfg.replace(attention=cfg.model.attention)         # the kernels are the run's choice, not the model's
     if mcfg != cfg.model:
         raise ValueError(f"train.init {cfg.train.init}: its model differs from the config's model: "
                          + "; ".join(_diff(mcfg.to_dict(), cfg.model.to_dict())[:4]))
@@ -155,7 +156,8 @@ def restore_or_init(cfg: Config, mngr: ocp.CheckpointManager, iterator, mesh=Non
             return init_lora(cfg, _initial_params(cfg))
         return init_state(cfg, _initial_params(cfg)), None
     meta = mngr.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    diff = _diff(meta.get("model", {}), json.loads(json.dumps(cfg.model.to_dict())))
+    saved = {k: v for k, v in meta.get("model", {}).items() if k != "attention"}     # a run may switch kernels
+    diff = _diff(saved, {k: v for k, v in json.loads(json.dumps(cfg.model.to_dict())).items() if k != "attention"})
     if diff:
         raise ValueError(f"{mngr.directory} holds a checkpoint (step {latest}) of a different model ("
                          + "; ".join(diff[:4]) + "): use another --workdir")

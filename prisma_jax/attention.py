@@ -1,0 +1,172 @@
+"""Attention: one entry point for the text decoder and the vision tower, choosing its kernel by platform.
+
+`attention(q, k, v, mask, impl)` with q [B, Sq, H, hd], k/v [B, Sk, KV, hd] (grouped-query: H a multiple of KV).
+Which keys a query sees is a `Mask`: segment ids plus an optional causal offset, the form the Pallas kernels
+take, so one description serves every implementation:
+
+    query i may see key j  ⇔  q_segment[i] == kv_segment[j]  and (no causality, or j ≤ i + causal_start)
+
+Segment 0 is padding (padded queries see only padded keys, so no row is empty and nothing is NaN); real tokens
+carry segment 1, or 1, 2, ... for the conversations packed into one training row. In a cached call the keys are
+the cache's slots and `causal_start` is the slot of query 0 (`write_pos`).
+
+Implementations (`ModelConfig.attention`: "auto" | "xla" | "pallas"; docs/design.md "Attention"):
+* "xla": the einsums below, scores `[B, KV, G, Sq, Sk]` in float32. What CPU runs under "auto".
+* "pallas" on TPU: jax's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) for training,
+  prefill and the vision tower: segment ids for padding and packing, a static causal mask, GQA as one MQA
+  kernel per key/value head, inside a `shard_map` over the batch and head axes of the active mesh. On
+  another platform "pallas" runs the same kernel in Pallas interpret mode (what the tests compare with "xla").
+  A decode step (one query against a cache whose write slot is traced) runs "xla": it reads each cache slot
+  once either way. "auto" on TPU is "pallas".
+* "auto" on GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel where it applies, else XLA).
+
+A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) always runs "xla".
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .sharding import constrain, spec_for
+
+IMPLS = ("auto", "xla", "pallas")
+BLOCK = 128          # splash tiles: sequences padded to a multiple (padding is segment 0)
+LANES = 128          # head dims padded to a multiple on the kernel path (zeros change no score, no output)
+
+
+class Mask(NamedTuple):
+    q_segment: jax.Array              # [B, Sq] int32, 0 = padding
+    kv_segment: jax.Array             # [B, Sk] int32
+    causal_start: int | jax.Array | None = 0   # slot of query 0; None = bidirectional
+
+    def dense(self) -> jax.Array:
+        """[B, Sq, Sk] bool, True = may attend."""
+        allowed = self.q_segment[:, :, None] == self.kv_segment[:, None, :]
+        if self.causal_start is None:
+            return allowed
+        sq, sk = self.q_segment.shape[1], self.kv_segment.shape[1]
+        q_slot = self.causal_start + jnp.arange(sq)
+        return allowed & (jnp.arange(sk)[None, :] <= q_slot[:, None])[None]
+
+
+def causal(key_segment: jax.Array, write_pos=0, n_query: int | None = None) -> Mask:
+    """Causal self-attention over `key_segment [B, S_k]` (int segment ids, or bool validity = segment 1), the
+    queries being the `n_query` slots from `write_pos` on (all of them when None)."""
+    kv = key_segment.astype(jnp.int32)
+    if n_query is None or n_query == kv.shape[1]:
+        q = kv
+    else:
+        q = jax.lax.dynamic_slice_in_dim(kv, write_pos, n_query, axis=1)
+    return Mask(q, kv, write_pos)
+
+
+def platform() -> str:
+    """The platform the program being traced targets: the active mesh's devices, else the default backend
+    (so an ahead-of-time compile for a TPU topology from a CPU host picks the TPU kernels)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.abstract_device is not None:
+        return mesh.abstract_device.platform
+    return jax.default_backend()
+
+
+def resolve(impl: str, mask, n_query: int) -> str:
+    """The implementation that runs: "xla", "splash" or "gpu"."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(mask, Mask) or impl == "xla":
+        return "xla"
+    decode = not isinstance(mask.causal_start, (int, type(None)))        # a traced write slot
+    where = platform()
+    if impl == "pallas" or where == "tpu":
+        return "xla" if decode else "splash"
+    return "gpu" if where == "gpu" else "xla"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, impl: str = "auto",
+              batch_axis: str = "batch") -> jax.Array:
+    """Grouped-query attention → [B, Sq, H, hd]. `mask`: a `Mask`, or a dense bool [B, Sq, Sk] (True = may
+    attend). `batch_axis`: the logical name of B (the vision tower's frames are "frames", sharding.LOGICAL_RULES).
+    """
+    how = resolve(impl, mask, q.shape[1])
+    if how == "splash":
+        out = _splash(q, k, v, mask, batch_axis)
+    elif how == "gpu":
+        dense = mask.dense() if isinstance(mask, Mask) else mask
+        out = jax.nn.dot_product_attention(q, k, v, mask=dense[:, None])
+    else:
+        out = _xla(q, k, v, mask.dense() if isinstance(mask, Mask) else mask)
+    return constrain(out, (batch_axis, "seq", "heads", None))
+
+
+def _xla(q, k, v, mask):
+    """Scores and softmax in float32; the weights cast back to v's dtype before the value product."""
+    b, sq, h, hd = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, sq, kv, h // kv, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", w, v).reshape(b, sq, h, hd)
+
+
+def _pad_to(x, axis: int, multiple: int):
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(groups: int, sq: int, sk: int, causal_start, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+    one = (mask_lib.FullMask((sq, sk)) if causal_start is None
+           else mask_lib.CausalMask((sq, sk), offset=causal_start))
+    return sk_lib.make_splash_mqa(mask_lib.MultiHeadMask([one] * groups), head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+
+
+def _splash(q, k, v, mask: Mask, batch_axis: str):
+    """Splash attention per key/value head (an MQA kernel over its G query heads), per row, inside a shard_map
+    over the batch and head axes. Sequences are padded to whole tiles with segment 0, head dims with zeros."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
+    b, sq, h, hd = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    dtype = q.dtype
+    q = (q.astype(jnp.float32) * hd ** -0.5).astype(dtype).reshape(b, sq, kvh, g, hd)
+    q, k, v = (_pad_to(_pad_to(a, -1, LANES), 1, BLOCK) for a in (q, k, v))
+    qs = _pad_to(mask.q_segment.astype(jnp.int32), 1, BLOCK)
+    ks = _pad_to(mask.kv_segment.astype(jnp.int32), 1, BLOCK)
+    sq_p, sk_p = q.shape[1], k.shape[1]
+    interpret = platform() != "tpu"
+
+    def local(q, k, v, qs, ks):
+        kernel = _splash_kernel(q.shape[3], sq_p, sk_p, mask.causal_start, interpret)
+
+        def one_head(qh, kh, vh, seg):          # qh [G, Sq, hd], kh/vh [Sk, hd]
+            return kernel(qh, kh, vh, segment_ids=seg)
+
+        def one_row(q, k, v, qs, ks):           # q [Sq, KV, G, hd] → [Sq, KV, G, hd]
+            seg = sk_lib.SegmentIds(qs, ks)
+            out = jax.vmap(one_head, in_axes=(0, 0, 0, None))(q.transpose(1, 2, 0, 3), k.transpose(1, 0, 2),
+                                                              v.transpose(1, 0, 2), seg)
+            return out.transpose(2, 0, 1, 3)
+
+        return jax.vmap(one_row)(q, k, v, qs, ks)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        q_spec = spec_for(q.shape, (batch_axis, None, "kv_heads", None, None), mesh)
+        kv_spec = spec_for(k.shape, (batch_axis, None, "kv_heads", None), mesh)
+        seg_spec = spec_for(qs.shape, (batch_axis, None), mesh)
+        local = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
+                              check_vma=False)
+    out = local(q, k, v, qs, ks)
+    return out[:, :sq, :, :, :hd].reshape(b, sq, h, hd)
+
