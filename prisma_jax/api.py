@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import model as M
+from .attention import IMPLS
 from .config import ModelConfig, load_config
 from .inputs import prepare
 from .loading import load_hf, resolve_dtype
@@ -51,10 +52,17 @@ class PrismaVL:
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", uncertainty_init: str = "zeros", seed: int = 0,
-                        mesh=None, verify: bool = True, quantize: str | None = None):
+                        mesh=None, verify: bool = True, quantize: str | None = None, attention: str = "auto"):
         """A Hugging Face Qwen3-VL / Prisma-VL checkpoint directory (safetensors), or an Orbax directory written
         by `prisma convert hf-to-orbax` (its recorded crc32s checked unless verify=False); `mesh` shards it on
-        load; `quantize="int8"` then quantizes it for generation (`PrismaVL.quantize`)."""
+        load; `quantize="int8"` then quantizes it for generation (`PrismaVL.quantize`). `attention`: auto | xla |
+        pallas, the kernels (prisma_jax/attention.py)."""
+        if attention not in IMPLS:
+            raise ValueError(f"attention must be one of {', '.join(IMPLS)}, got {attention!r}")
+        if attention != "auto":
+            model = cls.from_pretrained(path, dtype, uncertainty_init, seed, mesh, verify, quantize)
+            model.config = model.config.replace(attention=attention)
+            return model
         from conversion import is_converted, restore_params
 
         if check_mode(quantize) is not None:

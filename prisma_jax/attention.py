@@ -24,7 +24,6 @@ A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) a
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -121,8 +120,8 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-@functools.lru_cache(maxsize=64)
 def _splash_kernel(groups: int, sq: int, sk: int, causal_start, interpret: bool):
+    """Built per trace (not cached: the kernel holds device arrays of the block mask, which would leak a trace)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
     one = (mask_lib.FullMask((sq, sk)) if causal_start is None
@@ -136,7 +135,7 @@ def _splash(q, k, v, mask: Mask, batch_axis: str):
     over the batch and head axes. Sequences are padded to whole tiles with segment 0, head dims with zeros."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
     b, sq, h, hd = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
+    kvh = k.shape[2]
     g = h // kvh
     dtype = q.dtype
     q = (q.astype(jnp.float32) * hd ** -0.5).astype(dtype).reshape(b, sq, kvh, g, hd)

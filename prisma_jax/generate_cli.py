@@ -68,6 +68,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quantize", default=None, choices=MODES,
                    help="int8 weight-only kernels (the decoder's projections and lm_head; quantize.py)")
     p.add_argument("--mesh", default=None, help=MESH_HELP)
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"],
+                   help="attention kernels: auto = splash on TPU, cuDNN on GPU, XLA on CPU (prisma_jax/attention.py)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="an Orbax --model: skip checking the crc32s its conversion recorded")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
@@ -111,7 +113,7 @@ def run(args) -> int:
     if args.compilation_cache:
         enable_compilation_cache(args.compilation_cache)
     model = PrismaVL.from_pretrained(args.model, dtype=args.dtype, verify=args.verify, quantize=args.quantize,
-                                     mesh=mesh)
+                                     mesh=mesh, attention=args.attention)
     eos = model.generation_config.get("eos_token_id", proc.ids["eos_token_id"])
     pad = model.generation_config.get("pad_token_id", proc.pad_token_id)
     res = model.generate(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), enc.get("image_grid_thw"),

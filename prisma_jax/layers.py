@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .sharding import constrain, take_rows
+from .sharding import take_rows
 
 INIT_STD = 0.02
 normal = nnx.initializers.normal(INIT_STD)

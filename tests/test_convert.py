@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest

@@ -24,10 +24,12 @@ def ckpt(tmp_path_factory):
     return d, str(img)
 
 
-def test_cli_json_matches_the_api(ckpt, capsys):
+@pytest.mark.parametrize("attention", ["auto", "pallas"])
+def test_cli_json_matches_the_api(ckpt, capsys, attention):
+    """The CLI (with the splash kernel in interpret mode too) against the API's default (XLA on this CPU)."""
     d, img = ckpt
     argv = ["generate", "--model", d, "--prompt", "w1 w2 w3", "--image", img, "--prompt", "w4",
-            "--max-new-tokens", "6", "--json"]
+            "--max-new-tokens", "6", "--json", "--attention", attention]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [o["prompt"] for o in out] == ["w1 w2 w3", "w4"]
