@@ -1,7 +1,11 @@
 """The attention entry point (prisma_jax/attention.py): the XLA path against a NumPy re-derivation, and the
 TPU splash kernel — run here in Pallas interpret mode — against the XLA path, forward and gradients, on text,
 left-padded, packed, prefill-into-a-cache, multi-image vision and GQA cases; then the whole train step and the
-whole decode loop with `attention: pallas` against `xla`."""
+whole decode loop with `attention: pallas` against `xla`, and the kernel's shard_map on a simulated mesh."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +176,11 @@ def test_decode_loop_with_pallas_equals_xla(monkeypatch):
     np.testing.assert_array_equal(np.asarray(res["pallas"].codes), np.asarray(res["xla"].codes))
     np.testing.assert_allclose(np.asarray(res["pallas"].entropies), np.asarray(res["xla"].entropies), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_splash_kernel_on_a_mesh_equals_xla():
+    """The kernel's shard_map over batch (data × fsdp) and key/value heads (tensor) on 8 simulated devices."""
+    worker = os.path.join(os.path.dirname(__file__), "attention_mesh_worker.py")
+    p = subprocess.run([sys.executable, worker], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

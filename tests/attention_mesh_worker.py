@@ -1,0 +1,33 @@
+"""Run by tests/test_attention.py in a subprocess with 8 simulated devices: the splash kernel (interpret mode)
+inside its shard_map on a 2×2×2 mesh against the XLA path on one device, forward and gradients."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from prisma_jax import attention as A  # noqa: E402
+from prisma_jax.sharding import make_mesh  # noqa: E402
+from test_attention import qkv, rel_err  # noqa: E402
+
+packed = np.array([[1] * 9 + [2] * 20 + [3] * 7 + [0] * 4, [1] * 33 + [2] * 7] * 2, np.int32)
+mask = A.causal(jnp.asarray(packed))
+q, k, v = qkv(4, 40, 40, 4, 2, 32)
+
+
+def loss(impl):
+    return lambda q, k, v: jnp.sum(jnp.sin(A.attention(q, k, v, mask, impl)))
+
+
+want, gwant = A.attention(q, k, v, mask, "xla"), jax.grad(loss("xla"), (0, 1, 2))(q, k, v)
+with jax.set_mesh(make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
+    got = jax.jit(lambda q, k, v: A.attention(q, k, v, mask, "pallas"))(q, k, v)
+    ggot = jax.jit(jax.grad(loss("pallas"), (0, 1, 2)))(q, k, v)
+assert len(got.sharding.device_set) == 8, got.sharding
+errs = [rel_err(got, want)] + [rel_err(a, b) for a, b in zip(ggot, gwant)]
+print(errs)
+sys.exit(0 if max(errs) < 1e-5 else 1)
