@@ -8,8 +8,9 @@ word-level tokenizer from `prisma_jax.processing.build_tokenizer`; lengths log-u
 `train.seq_len`, half prompt, half reply), then the same config trains on it padded (one conversation a row)
 and packed (first-fit, several a row): the same compiled shapes, so the step time is the same and what changes
 is how many of a step's `batch_size × seq_len` slots hold real tokens. Batches are drawn before the clock
-starts; each side compiles once, runs `--warmup` steps, then `--steps` timed steps. Reported: step time, real
-(non-padding) tokens per step and per second, supervised tokens per second, and the packed / padded ratio.
+starts; each side compiles once, runs `--warmup` steps, then `--steps` timed steps. Reported: the median step
+time, real (non-padding) tokens per step (mean over the timed batches), real and supervised tokens per second
+(per step / median step time), and the packed / padded ratio.
 """
 from __future__ import annotations
 
@@ -69,12 +70,12 @@ def bench(cfg, workdir: str, steps: int, warmup: int) -> dict:
         print(f"{'packed' if cfg.data.packing else 'padded'}: step {len(times)} {times[-1]:.2f} s",
               file=sys.stderr, flush=True)
     timed = batches[warmup:]
-    real = sum(int(np.sum(b.attention_mask > 0)) for b in timed)
-    sup = sum(int(np.sum(b.targets >= 0)) for b in timed)
-    total = sum(times)
-    return {"data": info.line(), "compile_s": compile_s, "step_s": float(np.median(times)),
-            "real_tokens_per_step": real / len(timed), "slots_per_step": cfg.train.batch_size * cfg.train.seq_len,
-            "real_tokens_per_sec": real / total, "supervised_tokens_per_sec": sup / total,
+    real = np.mean([np.sum(b.attention_mask > 0) for b in timed])
+    sup = np.mean([np.sum(b.targets >= 0) for b in timed])
+    step_s = float(np.median(times))            # the median: robust to other jobs on a shared machine
+    return {"data": info.line(), "compile_s": compile_s, "step_s": step_s, "step_times": times,
+            "real_tokens_per_step": float(real), "slots_per_step": cfg.train.batch_size * cfg.train.seq_len,
+            "real_tokens_per_sec": float(real) / step_s, "supervised_tokens_per_sec": float(sup) / step_s,
             "loss": float(m["loss"])}
 
 

@@ -186,3 +186,25 @@ def test_packed_loss_under_pallas_attention_equals_xla(batches):
     crossed = loss(pallas, one_segment=True)
     np.testing.assert_allclose(splash, xla, rtol=2e-6)
     assert abs(crossed - xla) > 100 * abs(splash - xla)             # the segment ids are what keeps them apart
+
+
+def test_packing_config_and_segment_ids_are_checked():
+    from prisma_jax.config import ConfigError
+    from prisma_jax.inputs import prepare
+    raw = yaml.safe_load(open(SFT))
+    raw["data"] = {"source": "synthetic", "packing": True}
+    with pytest.raises(ConfigError, match="data.packing needs conversations"):
+        config_from_raw(raw)
+    raw["data"] = {"source": "tiny_sft", "packing": "yes"}
+    with pytest.raises(ConfigError, match="data.packing: expected true/false"):
+        config_from_raw(raw)
+    m = cfg_for("x.jsonl", "proc", True, 2).model
+    ids = np.full((1, 6), 20)
+    with pytest.raises(ValueError, match="one contiguous run"):
+        prepare(m, ids, np.array([[1, 1, 2, 2, 1, 0]]), segments=True)
+    with pytest.raises(ValueError, match="only 0 and 1"):               # segment ids only where asked for
+        prepare(m, ids, np.array([[1, 1, 2, 2, 0, 0]]))
+    b = prepare(m, ids, np.array([[1, 1, 2, 2, 2, 0]]), segments=True)
+    assert b.attention_mask.dtype == np.int32
+    np.testing.assert_array_equal(b.positions[0], [[0, 1, 0, 1, 2, 0]])
+    np.testing.assert_array_equal(b.codes, [[-1, 128, -1, 128, 128, -1]])
