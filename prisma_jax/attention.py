@@ -126,8 +126,10 @@ def _splash_kernel(groups: int, sq: int, sk: int, causal_start, interpret: bool)
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
     one = (mask_lib.FullMask((sq, sk)) if causal_start is None
            else mask_lib.CausalMask((sq, sk), offset=causal_start))
-    return sk_lib.make_splash_mqa(mask_lib.MultiHeadMask([one] * groups), head_shards=1, q_seq_shards=1,
-                                  interpret=interpret)
+    # built eagerly: its mask tables are arrays, and a kernel cached from inside one trace must not hold its tracers
+    with jax.ensure_compile_time_eval():
+        return sk_lib.make_splash_mqa(mask_lib.MultiHeadMask([one] * groups), head_shards=1, q_seq_shards=1,
+                                      interpret=interpret)
 
 
 def _splash(q, k, v, mask: Mask, batch_axis: str):

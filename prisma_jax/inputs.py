@@ -51,7 +51,10 @@ def check_grids(cfg: ModelConfig, pixel_values, image_grid_thw) -> tuple[np.ndar
 
 
 def prepare(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
-            codes_in=None) -> Batch:
+            codes_in=None, segments: bool = False) -> Batch:
+    """`segments=True` (packed training rows, train/data.py): `attention_mask` holds int segment ids, 0 =
+    padding, 1, 2, ... one per conversation, each a contiguous run; the batch's mask is then int32 segment ids
+    and positions and prompt-rule codes restart in every segment. Otherwise it is 0/1 (or bool)."""
     ids = _int_array(input_ids, "input_ids", 2)
     b, s = ids.shape
     if b == 0 or s == 0:
@@ -66,14 +69,17 @@ def prepare(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None,
         m = np.asarray(attention_mask)
         if m.shape != ids.shape:
             raise ValueError(f"attention_mask shape {m.shape} != input_ids shape {ids.shape}")
-        if not np.isin(m, (0, 1)).all():
+        if segments:
+            mask = _segment_ids(m)
+        elif not np.isin(m, (0, 1)).all():
             raise ValueError("attention_mask must contain only 0 and 1")
-        mask = m.astype(bool)
+        else:
+            mask = m.astype(bool)
     if (ids == cfg.video_token_id).any():
         raise ValueError(f"video placeholder tokens ({cfg.video_token_id}) are not supported")
     pv, grid = check_grids(cfg, pixel_values, image_grid_thw)
     is_img = ids == cfg.image_token_id
-    if (is_img & ~mask).any():
+    if (is_img & (mask == 0)).any():
         raise ValueError("image placeholder tokens at padded positions (attention_mask 0)")
     _check_image_runs(cfg, is_img, mask, grid)
 
@@ -93,15 +99,37 @@ def prepare(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None,
                  None if pv is None else np.asarray(pv, np.float32) if pv.dtype != np.float32 else pv, geo)
 
 
+def _segment_ids(m) -> np.ndarray:
+    """Packed rows' attention_mask → [B, S] int32 segment ids, checked: integers ≥ 0, each id one run per row."""
+    if m.dtype == bool:
+        return m.astype(np.int32)
+    if not np.issubdtype(m.dtype, np.integer):
+        raise ValueError(f"attention_mask of packed rows must hold integer segment ids, got dtype {m.dtype}")
+    if m.min() < 0:
+        raise ValueError(f"attention_mask segment ids must be ≥ 0 (0 = padding), got {int(m.min())}")
+    for r, row in enumerate(m):
+        starts = row[np.flatnonzero(np.diff(np.concatenate([[0], row])))]
+        real = starts[starts > 0]
+        if len(set(real.tolist())) != len(real):
+            raise ValueError(f"attention_mask row {r}: each segment id must be one contiguous run, got "
+                             f"runs of ids {real.tolist()}")
+    return m.astype(np.int32)
+
+
 def _check_image_runs(cfg: ModelConfig, is_img: np.ndarray, mask: np.ndarray, grid) -> None:
-    """Each maximal run of image placeholders (within a row, padding removed) is exactly one image's tokens."""
+    """Each maximal run of image placeholders (within a segment, padding removed) is exactly one image's
+    tokens."""
     m2 = cfg.vision.spatial_merge_size**2
     want = [] if grid is None else [int(t * h * w) // m2 for t, h, w in grid]
     runs = []
     for r in range(is_img.shape[0]):
-        row = is_img[r][mask[r]].astype(np.int8)
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], row, [0]])))
-        runs += list(edges[1::2] - edges[::2])
+        ids, first = np.unique(mask[r], return_index=True)
+        for seg in ids[np.argsort(first)]:
+            if seg == 0:
+                continue
+            row = is_img[r][mask[r] == seg].astype(np.int8)
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], row, [0]])))
+            runs += list(edges[1::2] - edges[::2])
     if sum(runs) != sum(want):
         raise ValueError(f"{sum(runs)} image placeholder tokens in input_ids but image_grid_thw needs {sum(want)}")
     if runs != want:

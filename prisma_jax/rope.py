@@ -18,40 +18,52 @@ def rope_index(cfg: ModelConfig, input_ids: np.ndarray, attention_mask: np.ndarr
                image_grid_thw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """3-D positions `[3, B, S]` int32 and `rope_deltas [B]` int32.
 
-    Per row: padding removed; text runs count up on all three axes; an image run with merged grid (t, h, w)
-    gets (cur + t_i, cur + row, cur + col) and advances `cur` by max(h, w). Padded slots get 0.
-    Decode positions are `text_position + rope_delta` on every axis.
+    Per row and, where `attention_mask` holds segment ids (packed training rows), per segment, in the order of
+    their first tokens: padding removed; text runs count up on all three axes from 0; an image run with merged
+    grid (t, h, w) gets (cur + t_i, cur + row, cur + col) and advances `cur` by max(h, w). Each segment's
+    positions are those of its tokens alone. Padded slots get 0. Decode positions are `text_position + rope_delta`
+    on every axis (the delta of the row's last segment: a bool mask has one).
     """
     b, s = input_ids.shape
     m = cfg.vision.spatial_merge_size
+    seg_ids = np.asarray(attention_mask).astype(np.int64)
     pos = np.zeros((3, b, s), np.int64)
     deltas = np.zeros((b,), np.int64)
     grids = iter([] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw])
     for r in range(b):
-        keep = np.nonzero(attention_mask[r])[0]
-        ids = input_ids[r, keep]
-        is_img = ids == cfg.image_token_id
-        out = np.zeros((3, len(ids)), np.int64)
-        cur, i = 0, 0
-        while i < len(ids):
-            j = i
-            while j < len(ids) and is_img[j] == is_img[i]:
-                j += 1
-            if not is_img[i]:
-                out[:, i:j] = cur + np.arange(j - i)
-                cur += j - i
-            else:
-                t, gh, gw = next(grids)
-                hh, ww = gh // m, gw // m
-                tt, rr, cc = np.meshgrid(np.arange(t), np.arange(hh), np.arange(ww), indexing="ij")
-                out[0, i:j] = cur + tt.ravel()
-                out[1, i:j] = cur + rr.ravel()
-                out[2, i:j] = cur + cc.ravel()
-                cur += max(hh, ww)
-            i = j
-        pos[:, r, keep] = out
-        deltas[r] = (out.max() + 1 - len(ids)) if len(ids) else 0
+        ids_r, first = np.unique(seg_ids[r], return_index=True)
+        for seg in ids_r[np.argsort(first)]:
+            if seg == 0:
+                continue
+            keep = np.nonzero(seg_ids[r] == seg)[0]
+            out = _segment_positions(cfg, input_ids[r, keep], grids, m)
+            pos[:, r, keep] = out
+            deltas[r] = out.max() + 1 - len(keep)
     return pos.astype(np.int32), deltas.astype(np.int32)
+
+
+def _segment_positions(cfg: ModelConfig, ids: np.ndarray, grids, m: int) -> np.ndarray:
+    """[3, n] positions of one segment's tokens (padding removed), taking its images' grids from `grids`."""
+    is_img = ids == cfg.image_token_id
+    out = np.zeros((3, len(ids)), np.int64)
+    cur, i = 0, 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and is_img[j] == is_img[i]:
+            j += 1
+        if not is_img[i]:
+            out[:, i:j] = cur + np.arange(j - i)
+            cur += j - i
+        else:
+            t, gh, gw = next(grids)
+            hh, ww = gh // m, gw // m
+            tt, rr, cc = np.meshgrid(np.arange(t), np.arange(hh), np.arange(ww), indexing="ij")
+            out[0, i:j] = cur + tt.ravel()
+            out[1, i:j] = cur + rr.ravel()
+            out[2, i:j] = cur + cc.ravel()
+            cur += max(hh, ww)
+        i = j
+    return out
 
 
 def mrope_axis_of_slot(cfg: ModelConfig) -> np.ndarray:

@@ -10,7 +10,8 @@
     `[B, V]`.
 §3  `Uncertainty.__call__`: e_i = E[x_i] + U[c_i] where c_i is a code (≥ 0) and x_i is not an image/video
     placeholder; otherwise e_i = E[x_i]. Applied right after the token lookup, before vision features are scattered in.
-§4  `prompt_codes`: first real token of each row none (−1), every other real token N, padding none.
+§4  `prompt_codes`: first real token of each row — of each segment, in packed training rows — none (−1), every
+    other real token N, padding none.
     `shift_codes`: the teacher-forced rule of training pass k ≥ 2 (codes of pass k−1 move one position right
     wherever the previous position is supervised). Generation carries the code as uint16 loop state.
 
@@ -127,23 +128,39 @@ class Uncertainty(nnx.Module):
         return jnp.where(on[..., None], embeds + u.astype(embeds.dtype), embeds)
 
 
+def segment_starts(attention_mask: np.ndarray) -> np.ndarray:
+    """[B, S] bool: the first real token of each segment — the first occurrence of each nonzero segment id in
+    its row. A bool (or 0/1) mask is one segment: its start is the row's first real token, whatever the padding."""
+    seg = np.asarray(attention_mask).astype(np.int64)
+    starts = np.zeros(seg.shape, bool)
+    for r in range(seg.shape[0]):
+        ids, first = np.unique(seg[r], return_index=True)
+        starts[r, first[ids > 0]] = True
+    return starts
+
+
 def prompt_codes(attention_mask: np.ndarray, n_bits: int) -> np.ndarray:
-    """§4 prompt rule on the host: [B, S] int32, −1 at padding and at each row's first real token, N elsewhere."""
-    mask = np.asarray(attention_mask).astype(bool)
-    codes = np.where(mask, 2 ** (n_bits - 1), NONE).astype(np.int32)
-    first = np.argmax(mask, axis=1)
-    rows = np.nonzero(mask.any(axis=1))[0]
-    codes[rows, first[rows]] = NONE
+    """§4 prompt rule on the host: [B, S] int32, −1 at padding and at the first real token of each segment (of
+    each row when the mask is bool; of each packed conversation when it holds segment ids), N elsewhere."""
+    mask = np.asarray(attention_mask)
+    codes = np.where(mask.astype(bool), 2 ** (n_bits - 1), NONE).astype(np.int32)
+    codes[segment_starts(mask)] = NONE
     return codes
 
 
-def shift_codes(base_codes: jax.Array, prev_codes: jax.Array, supervised: jax.Array) -> jax.Array:
+def shift_codes(base_codes: jax.Array, prev_codes: jax.Array, supervised: jax.Array,
+                segments: jax.Array | None = None) -> jax.Array:
     """§4 training pass k ≥ 2: position i takes code(logits[i−1]) from the previous pass wherever position i−1
-    is supervised (its label is a real target); elsewhere the prompt rule (`base_codes`) stays.
+    is supervised (its label is a real target) and, given `segments`, belongs to the same segment as i (no code
+    crosses from one packed conversation into the next); elsewhere the prompt rule (`base_codes`) stays.
 
     base_codes [B, S] int32 (−1 = none), prev_codes [B, S] uint16 (code of logits at each position),
-    supervised [B, S] bool (position's label is a target). Returns [B, S] int32.
+    supervised [B, S] bool (position's label is a target), segments [B, S] segment ids or bool mask. Returns
+    [B, S] int32.
     """
     shifted = jnp.pad(prev_codes.astype(jnp.int32)[:, :-1], ((0, 0), (1, 0)))
     prev_sup = jnp.pad(supervised[:, :-1], ((0, 0), (1, 0)))
+    if segments is not None:
+        seg = segments.astype(jnp.int32)
+        prev_sup &= (seg > 0) & (seg == jnp.pad(seg[:, :-1], ((0, 0), (1, 0))))
     return jnp.where(prev_sup, shifted, base_codes)

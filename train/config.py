@@ -7,7 +7,8 @@ A training YAML holds the model (`model:`, prisma_jax/config.py's schema) and fo
                 `logits_chunk` (the head and loss over sequence chunks: train/step.py `head_xent`)
     optimizer:  AdamW + warmup-cosine + global-norm clipping; weight decay on kernels and embedding tables
                 (token embedding, position embedding, uncertainty table), never on norm scales or biases
-    data:       source (jsonl | synthetic | tiny_sft), processor directory, image size, bad-input policies
+    data:       source (jsonl | synthetic | tiny_sft), processor directory, image size, bad-input policies,
+                `packing` (several conversations a row, train/data.py `pack`)
     checkpoint: how often, how many kept, asynchronous or not
 
 Every section is validated strictly: an unknown key is an error naming it (`train.stepz`), as is a value of
@@ -71,6 +72,7 @@ class DataSection:
     on_malformed: str = "error"         # error | skip: malformed JSONL lines and missing images
     shuffle: bool = True
     num_threads: int = 2                # grain read threads (image decoding)
+    packing: bool = False               # several conversations a row (first-fit), told apart by segment ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,8 @@ def _check(c: Config) -> Config:
     need(d.overlong in ("truncate", "drop"), f"data.overlong must be truncate or drop, got {d.overlong!r}")
     need(d.on_malformed in ("error", "skip"), f"data.on_malformed must be error or skip, got {d.on_malformed!r}")
     need(d.num_threads >= 0, f"data.num_threads must be ≥ 0, got {d.num_threads}")
+    need(not d.packing or d.source != "synthetic", "data.packing needs conversations (data.source jsonl or "
+         "tiny_sft): synthetic records already fill train.seq_len")
     need(k.every >= 1 and k.keep >= 1, f"checkpoint.every and checkpoint.keep must be ≥ 1, got {k.every}, {k.keep}")
     if problems:
         raise ConfigError("; ".join(problems))

@@ -1,17 +1,23 @@
 """The input pipeline (grain): conversations or synthetic tokens → fixed-shape `TrainBatch`es.
 
     JSONL line → index pass (parse, check images exist, chat template, tokenize, assistant mask, length policy)
-               → grain MapDataset: per-host shard → shuffle(seed, reshuffled every epoch) → repeat
+               → [data.packing: first-fit into rows] → grain MapDataset: per-host shard → shuffle(seed, reshuffled every epoch) → repeat
                → map: load + resize images, image processor → to_iter_dataset (threads) → batch(collate)
 
 Shapes are fixed so the jitted step compiles once:
-* **padding, not packing**: one conversation per row, right-padded to `train.seq_len`. Longer samples are
+* **padding**: one conversation per row, right-padded to `train.seq_len`. Longer samples are
   truncated (never inside an image: the cut moves to before that image) or dropped, per `data.overlong`;
   both are counted and reported.
+* **packing** (`data.packing: true`): after the index pass, `pack` places the conversations, in order, into
+  rows by greedy first-fit (`train.seq_len` tokens and `data.max_images` images a row); the rows, not the
+  records, are then sharded over hosts and shuffled. A row's `attention_mask` holds int32 segment ids 1, 2, ...
+  (0 = padding): attention stays within a segment, M-RoPE positions and the prompt-rule codes restart in each,
+  no target and no introspection code crosses from one segment into the next (docs/training.md "Packing").
 * **images**: every image is resized to `data.image_size`², so each has the same grid; each row holds
-  `data.max_images` image slots of its own (`pixel_values [A, b, slots·patches, ·]`) — its real images first,
-  zero pixels after. The zero slots' features are computed and never read; the vision geometry is that of one
-  row's slots, one constant for every row and host, so a host's pixel rows shard with its token rows.
+  `data.max_images` image slots of its own (`pixel_values [A, b, slots·patches, ·]`) — its real images first
+  (a packed row's: its conversations' images in row order), zero pixels after. The zero slots' features are
+  computed and never read; the vision geometry is that of one row's slots, one constant for every row and host,
+  so a host's pixel rows shard with its token rows.
 
 Text is tokenized once, in the index pass at start (cheap, and malformed lines or missing images fail before
 step 1, naming file and line); image decoding is lazy, in grain's read threads. Supervised tokens are the
@@ -53,10 +59,13 @@ class DataInfo:
     truncated: int = 0
     dropped_overlong: int = 0
     skipped_malformed: int = 0
+    rows: int = 0              # data.packing: rows the records were packed into
+    fill: float = 0.0          # data.packing: real tokens / (rows · seq_len)
 
     def line(self) -> str:
-        return (f"{self.records} records ({self.truncated} truncated, {self.dropped_overlong} dropped as too "
-                f"long, {self.skipped_malformed} malformed skipped)")
+        out = (f"{self.records} records ({self.truncated} truncated, {self.dropped_overlong} dropped as too "
+               f"long, {self.skipped_malformed} malformed skipped)")
+        return out + (f", packed into {self.rows} rows ({self.fill:.0%} filled)" if self.rows else "")
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -206,37 +215,87 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
 # ---------------------------------------------------------------------------------------------- per record
 
 class LoadImages:
-    """grain map: a `Record` → dict of fixed-length arrays plus this record's pixel rows."""
+    """grain map: a `Record` — or, with `data.packing`, a packed row's list of them — → dict of fixed-length
+    arrays plus the row's pixel rows (its conversations' images, in order). `mask` is bool for one conversation,
+    int32 segment ids 1, 2, ... (0 = padding) for a packed row."""
 
     def __init__(self, cfg: Config, image_processor):
         self.cfg, self.improc = cfg, image_processor
         g = cfg.data.image_size // cfg.model.vision.patch_size
         self.grid = np.array([1, g, g])
 
-    def __call__(self, rec: Record) -> dict:
+    def __call__(self, item) -> dict:
+        recs = item if isinstance(item, (list, tuple)) else [item]
         s = self.cfg.train.seq_len
-        n = len(rec.ids)
-        ids = np.zeros(s, np.int32)
-        ids[:n] = rec.ids
-        sup = np.zeros(s, bool)
-        sup[:n] = rec.supervised
-        learned = sup.copy()
-        if rec.learned is not None:
-            learned[:n] &= rec.learned
-        out = {"ids": ids, "mask": np.arange(s) < n, "supervised": sup, "learned": learned, "pixels": None}
-        if rec.images:
-            from PIL import Image
+        n = sum(len(r.ids) for r in recs)
+        if n > s:
+            raise ValueError(f"a row of {n} tokens does not fit train.seq_len = {s}")
+        ids, seg = np.zeros(s, np.int32), np.zeros(s, np.int32)
+        sup, learned = np.zeros(s, bool), np.zeros(s, bool)
+        pixels, at = [], 0
+        for k, rec in enumerate(recs):
+            span = slice(at, at + len(rec.ids))
+            ids[span], seg[span], sup[span] = rec.ids, k + 1, rec.supervised
+            learned[span] = rec.supervised if rec.learned is None else rec.supervised & rec.learned
+            at = span.stop
+            if rec.images:
+                pixels.append(self._pixels(rec))
+        mask = seg if isinstance(item, (list, tuple)) else seg > 0
+        return {"ids": ids, "mask": mask, "supervised": sup, "learned": learned,
+                "pixels": np.concatenate(pixels) if pixels else None}
 
-            from prisma_jax.processing import load_image
-            size = self.cfg.data.image_size
-            pil = [load_image(p).resize((size, size), Image.BICUBIC) for p in rec.images]
-            enc = self.improc(images=pil, return_tensors="np")
-            grids = np.asarray(enc["image_grid_thw"])
-            if not (grids == self.grid).all():
-                raise ValueError(f"the image processor resized {size}×{size} images to grid {grids[0].tolist()}, "
-                                 f"not {self.grid.tolist()}: make data.image_size² fit its min/max_pixels")
-            out["pixels"] = np.asarray(enc["pixel_values"], np.float32)
-        return out
+    def _pixels(self, rec: Record) -> np.ndarray:
+        from PIL import Image
+
+        from prisma_jax.processing import load_image
+        size = self.cfg.data.image_size
+        pil = [load_image(p).resize((size, size), Image.BICUBIC) for p in rec.images]
+        enc = self.improc(images=pil, return_tensors="np")
+        grids = np.asarray(enc["image_grid_thw"])
+        if not (grids == self.grid).all():
+            raise ValueError(f"the image processor resized {size}×{size} images to grid {grids[0].tolist()}, "
+                             f"not {self.grid.tolist()}: make data.image_size² fit its min/max_pixels")
+        return np.asarray(enc["pixel_values"], np.float32)
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+def pack(records: list[Record], seq_len: int, max_images: int) -> list[list[int]]:
+    """Greedy first-fit, in record order: each record goes into the first row (in order of creation) with room
+    for its tokens and its images (a row holds at most `seq_len` tokens and `max_images` images), else opens a
+    new row. Returns the rows as lists of record indices. Deterministic: a pure function of the records' lengths
+    and image counts.
+
+    Leftmost-fit is one descent of a max segment tree over the rows' free tokens, one tree per number of free
+    image slots a record needs (a row without k free slots shows −1 in tree k): O(n · (max_images + 2) · log n).
+    Unopened rows show the full `seq_len` and slots, so the leftmost fit opens a new row when no open one fits."""
+    n = len(records)
+    size = 1 << max(n - 1, 0).bit_length()
+    trees = [[seq_len] * (2 * size) for _ in range(max_images + 1)]
+    free_tok, free_img = [seq_len] * size, [max_images] * size
+    rows: list[list[int]] = []
+    for i, rec in enumerate(records):
+        need, imgs = len(rec.ids), len(rec.images)
+        if need > seq_len or imgs > max_images:
+            raise ValueError(f"record {i}: {need} tokens and {imgs} images do not fit a row of train.seq_len = "
+                             f"{seq_len} and data.max_images = {max_images}")
+        tree, node = trees[imgs], 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= need else 2 * node + 1
+        row = node - size
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(i)
+        free_tok[row] -= need
+        free_img[row] -= imgs
+        for k, t in enumerate(trees):
+            j = row + size
+            t[j] = free_tok[row] if free_img[row] >= k else -1
+            j //= 2
+            while j:
+                t[j] = max(t[2 * j], t[2 * j + 1])
+                j //= 2
+    return rows
 
 
 def row_geometry(cfg: Config) -> VisionGeometry | None:
@@ -292,9 +351,12 @@ class Collate:
                     packed.append(px)
             pv = np.concatenate(packed) if packed else None
             grids = None if pv is None else np.array([self.grid] * (len(pv) // self.patches))
-            b = prepare(m, ids, mask, pv, grids)                  # validation, positions, prompt-rule codes
+            # validation, positions and prompt-rule codes (per segment of a packed row)
+            b = prepare(m, ids, mask, pv, grids, segments=self.cfg.data.packing)
             nxt = lambda x: np.pad(x[:, 1:], ((0, 0), (0, 1)))       # noqa: E731  (token i+1's value at i)
-            targets = np.where(nxt(sup), np.where(nxt(learned), nxt(ids), NO_LOSS), IGNORE)
+            seg = mask.astype(np.int32)
+            inside = nxt(seg) == seg                                 # no target crosses into the next segment
+            targets = np.where(nxt(sup) & inside, np.where(nxt(learned), nxt(ids), NO_LOSS), IGNORE)
             cols["input_ids"].append(b.input_ids)
             cols["attention_mask"].append(b.attention_mask)
             cols["codes"].append(b.codes)
@@ -329,9 +391,15 @@ def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None 
         improc = processor.image_processor
         if d.max_images and improc is None:
             raise ValueError(f"{proc_dir}: no preprocessor_config.json but data.max_images = {d.max_images}")
-        ds = grain.MapDataset.source(records)
-        if len(records) < hosts:
-            raise ValueError(f"{len(records)} records cannot be sharded over {hosts} hosts")
+        items = records
+        if d.packing:
+            items = [[records[i] for i in row] for row in pack(records, t.seq_len, d.max_images)]
+            info.rows = len(items)
+            info.fill = sum(len(r.ids) for r in records) / (len(items) * t.seq_len)
+        ds = grain.MapDataset.source(items)
+        if len(items) < hosts:
+            raise ValueError(f"{len(items)} {'packed rows' if d.packing else 'records'} cannot be sharded over "
+                             f"{hosts} hosts")
     ds = ds[host::hosts]
     if d.shuffle and d.source != "synthetic":
         ds = ds.shuffle(seed=t.seed)

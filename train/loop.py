@@ -272,7 +272,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
             while step < stop_at:
                 t0 = time.perf_counter()
                 data_state = next_data_state
-                n_in = int(np.sum(batch.attention_mask)) * jax.process_count()
+                n_in = int(np.sum(batch.attention_mask > 0)) * jax.process_count()   # real tokens
                 if mesh is not None:
                     with jax.set_mesh(mesh):
                         state, m = step_fn(state, sharded.put_batch(batch, mesh), *([] if base is None else [base]))

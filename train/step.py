@@ -55,11 +55,12 @@ def feeds_code(targets: jax.Array) -> jax.Array:
 class TrainBatch(NamedTuple):
     """One global (per-host) batch split into A = grad_accum micro-batches of b rows."""
     input_ids: jax.Array        # [A, b, S] int32
-    attention_mask: jax.Array   # [A, b, S] bool
-    codes: jax.Array            # [A, b, S] int32 prompt-rule codes (−1 = none)
-    positions: jax.Array        # [A, 3, b, S] int32 M-RoPE positions
+    attention_mask: jax.Array   # [A, b, S] bool, or int32 segment ids (`data.packing`: 1, 2, ... per conversation)
+    codes: jax.Array            # [A, b, S] int32 prompt-rule codes (−1 = none), per segment when packed
+    positions: jax.Array        # [A, 3, b, S] int32 M-RoPE positions, restarting in every segment
     targets: jax.Array          # [A, b, S] int32 next-token target of each position: IGNORE (−1) = not
-    #                             supervised, NO_LOSS (−2) = not learned but its code fed on (`feeds_code`)
+    #                             supervised (a segment's last token too), NO_LOSS (−2) = not learned but its
+    #                             code fed on (`feeds_code`)
     pixel_values: jax.Array | None = None   # [A, b, max_images·patches, C·T·P·P] each row's image slots
     geometry: VisionGeometry | None = None  # of one row's slots: the same for every row, micro-batch and host
 
@@ -211,8 +212,9 @@ def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: 
     """(the bound model, final hidden states [b, S, D] of the last introspection pass, the codes it was fed).
 
     Passes 1..P−1 see stop-gradient params; pass k feeds each position whose predecessor is supervised (a
-    learned target or NO_LOSS: `feeds_code`) the code of pass k−1's head there (`shift_codes`), every other
-    position keeps the prompt rule. A pass's codes come from `head_xent`'s entropies, in chunks of
+    learned target or NO_LOSS: `feeds_code`) and in the same segment (packed rows: no code crosses from one
+    conversation into the next) the code of pass k−1's head there (`shift_codes`), every other position keeps
+    the prompt rule. A pass's codes come from `head_xent`'s entropies, in chunks of
     `train.logits_chunk` like the loss.
     """
     m = cfg.model
@@ -225,7 +227,8 @@ def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: 
             model = bind(m, fixed, cfg.train.lora)
             h, _ = model.hidden(mb._replace(codes=c))
             ent = head_xent(model, h, targets, cfg.train.logits_chunk)[1]
-            return shift_codes(mb.codes, codes_from_entropy(ent, m.text.vocab_size, m.n_bits), supervised), None
+            return shift_codes(mb.codes, codes_from_entropy(ent, m.text.vocab_size, m.n_bits), supervised,
+                               mb.attention_mask), None
         codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)
     model = bind(m, params, cfg.train.lora)
     h, _ = model.hidden(mb._replace(codes=codes), remat_policy=remat_policy(remat))
