@@ -121,12 +121,12 @@ def _pad_to(x, axis: int, multiple: int):
 
 
 def _splash_kernel(groups: int, sq: int, sk: int, causal_start, interpret: bool):
-    """Built per trace (not cached: the kernel holds device arrays of the block mask, which would leak a trace)."""
+    """The MQA kernel for one key/value head's `groups` query heads. Its block-mask tables are arrays: built
+    eagerly (constants of the program), so that no tracer of the calling trace is kept in them."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
     one = (mask_lib.FullMask((sq, sk)) if causal_start is None
            else mask_lib.CausalMask((sq, sk), offset=causal_start))
-    # built eagerly: its mask tables are arrays, and a kernel cached from inside one trace must not hold its tracers
     with jax.ensure_compile_time_eval():
         return sk_lib.make_splash_mqa(mask_lib.MultiHeadMask([one] * groups), head_shards=1, q_seq_shards=1,
                                       interpret=interpret)
