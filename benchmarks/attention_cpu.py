@@ -1,7 +1,7 @@
 """Attention forward + backward on XLA:CPU at configs/bench_58m.yaml's shapes: einsum vs blocked vs jax.nn.
 
     .venv/bin/python benchmarks/attention_cpu.py [--seq 512 2048] [--tokens 4096] [--reps 5]
-    .venv/bin/python benchmarks/attention_cpu.py --step einsum blocked none [--steps 3]
+    .venv/bin/python benchmarks/attention_cpu.py --step einsum blocked none [--rounds 4]
 
 Kernel mode (default): for each sequence length S (batch B = tokens / S, so 8 × 512 = bench_58m's batch),
 8 query / 4 kv heads of 64, float32, the causal mask of `model.attention_mask`, it times
@@ -13,9 +13,10 @@ Kernel mode (default): for each sequence length S (batch B = tokens / S, so 8 ×
 Variants run in interleaved rounds (best of --reps for each) so that load from other processes hits all of
 them alike; it prints the best time, its ratio to einsum, XLA's FLOP estimate and temporaries.
 
-Step mode (--step): benchmarks/train.py's JAX step on bench_58m with `prisma_jax.text.attention` replaced by
-each named implementation in turn (einsum, blocked with its default blocks, or none: a free stand-in `q + repeated v` that keeps the
-shapes), so the step time with "none" bounds what any attention could save. Prints one row per implementation.
+Step mode (--step): benchmarks/train.py's JAX step (train.step.make_train_step, jit, state donated) on
+bench_58m, compiled once per named implementation of `prisma_jax.text.attention` (einsum, blocked with its
+default blocks, or none: a free stand-in `q + repeated v` that keeps the shapes, so the step with "none" bounds
+what any attention could save), then timed one step of each per round; prints best and median per step.
 """
 from __future__ import annotations
 
@@ -108,23 +109,36 @@ def kernel_bench(seqs, tokens, reps):
                   f"{temp / 2**20:.0f} | {err:.1e} |", flush=True)
 
 
-def step_bench(names, steps, warmup, config):
+def step_bench(names, rounds, config):
     import prisma_jax.text as text
-    from benchmarks.train import bench_jax
+    from train import data, step
     from train.config import load_train_config
     impls = {"einsum": attention, "blocked": blocked_attention, "none": free_attention}
     cfg, _ = load_train_config(config, [])
-    rows = []
-    for name in names:
+    ds, _ = data.build(cfg, "/tmp/prisma_bench_train")
+    it = iter(ds)
+    batch = next(it)
+    runs = {}
+    for name in dict.fromkeys(names):                 # trace each step with its attention, then restore it
         text.attention = impls[name]
-        r = bench_jax(cfg, steps, warmup)
-        rows.append((name, r))
+        st = step.init_state(cfg)
+        compiled = jax.jit(step.make_train_step(cfg, st.params), donate_argnums=0).lower(st, batch).compile()
+        st, m = compiled(st, batch)                   # warm-up
+        jax.block_until_ready(m)
+        runs[name] = [compiled, st, [], compiled.memory_analysis().temp_size_in_bytes]
     text.attention = attention
-    print(f"\n{config}: JAX train step, median of {steps} (after {warmup} warm-up)")
-    print("| attention | step s | temp MiB |")
-    print("| --- | --- | --- |")
-    for name, r in rows:
-        print(f"| {name} | {r['step_s']:.2f} | {r['temp_bytes'] / 2**20:.0f} |", flush=True)
+    for _ in range(rounds):                           # interleaved: one step of each per round
+        for name, r in runs.items():
+            b = next(it)
+            t = time.perf_counter()
+            r[1], m = r[0](r[1], b)
+            jax.block_until_ready(m)
+            r[2].append(time.perf_counter() - t)
+    print(f"\n{config}: JAX train step, {rounds} interleaved rounds after one warm-up step")
+    print("| attention | best s | median s | temp MiB |")
+    print("| --- | --- | --- | --- |")
+    for name, r in runs.items():
+        print(f"| {name} | {min(r[2]):.2f} | {np.median(r[2]):.2f} | {r[3] / 2**20:.0f} |", flush=True)
 
 
 def main(argv=None):
@@ -133,12 +147,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096, help="B = tokens / S")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--step", nargs="+", choices=["einsum", "blocked", "none"])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--config", default="configs/bench_58m.yaml")
     a = ap.parse_args(argv)
     if a.step:
-        step_bench(a.step, a.steps, a.warmup, a.config)
+        step_bench(a.step, a.rounds, a.config)
     else:
         kernel_bench(a.seq, a.tokens, a.reps)
 
