@@ -4,9 +4,9 @@
     .venv/bin/python benchmarks/attention_cpu.py --step einsum blocked none [--rounds 4]
 
 Kernel mode (default): for each sequence length S (batch B = tokens / S, so 8 × 512 = bench_58m's batch),
-8 query / 4 kv heads of 64, float32, the causal mask of `model.attention_mask`, it times
-`jax.jit(jax.grad(sum(attention(q, k, v) · dO)))` w.r.t. q, k, v (one forward and one backward) for
-  einsum          prisma_jax.layers.attention (dense [B, KV, G, S, S] float32 scores)
+8 query / 4 kv heads of 64, float32, the causal mask (`attention.causal`, built inside the jit as the model
+does), it times `jax.jit(jax.grad(sum(attention(q, k, v) · dO)))` w.r.t. q, k, v (one forward and one backward):
+  einsum          prisma_jax.attention.attention(..., "xla") (dense [B, KV, G, S, S] float32 scores)
   blocked QxK     prisma_jax.attention_blocked.blocked_attention, query blocks Q, key chunks K (K = S: one chunk)
   jax.nn causal   jax.nn.dot_product_attention(implementation='xla', is_causal=True), no mask array
   jax.nn mask     the same with the dense mask as `mask` [B, 1, S, S]
@@ -32,26 +32,31 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from prisma_jax.attention import attention as attention_entry  # noqa: E402
+from prisma_jax.attention import causal  # noqa: E402
 from prisma_jax.attention_blocked import blocked_attention  # noqa: E402
-from prisma_jax.layers import attention  # noqa: E402
-from prisma_jax.model import attention_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
+
+
+def attention(q, k, v, mask, impl="xla", **kw):
+    """The einsum attention, the "xla" implementation of prisma_jax.attention."""
+    return attention_entry(q, k, v, mask, "xla", **kw)
 
 
 def jax_nn(causal_only: bool):
     def f(q, k, v, mask):
         if causal_only:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], implementation="xla")
     return f
 
 
 def blocked(bq: int, bk: int):
-    return lambda q, k, v, mask: blocked_attention(q, k, v, mask, block_q=bq, block_k=bk)
+    return lambda q, k, v, mask, *a, **kw: blocked_attention(q, k, v, mask, block_q=bq, block_k=bk)
 
 
-def free_attention(q, k, v, mask):
+def free_attention(q, k, v, mask, *a, **kw):
     """A shape-keeping stand-in with no scores: q plus v repeated over the query groups."""
     return q + jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)
 
@@ -67,8 +72,8 @@ def variants(s: int) -> dict:
 
 
 def grad_fn(attn):
-    def loss(q, k, v, mask, d_out):
-        return (attn(q, k, v, mask).astype(jnp.float32) * d_out).sum()
+    def loss(q, k, v, valid, d_out):
+        return (attn(q, k, v, causal(valid)).astype(jnp.float32) * d_out).sum()
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -78,8 +83,7 @@ def kernel_bench(seqs, tokens, reps):
         b = max(1, tokens // s)
         q, k, v, d_out = (jnp.asarray(rng.standard_normal((b, s, n, HEAD_DIM)), jnp.float32)
                           for n in (HEADS, KV_HEADS, KV_HEADS, HEADS))
-        mask = attention_mask(jnp.ones((b, s), bool), 0, s)
-        args = (q, k, v, mask, d_out)
+        args = (q, k, v, jnp.ones((b, s), bool), d_out)
         compiled, info = {}, {}
         ref = None
         for name, attn in variants(s).items():
@@ -113,7 +117,8 @@ def step_bench(names, rounds, config):
     import prisma_jax.text as text
     from train import data, step
     from train.config import load_train_config
-    impls = {"einsum": attention, "blocked": blocked_attention, "none": free_attention}
+    impls = {"einsum": attention, "blocked": blocked(128, 512), "none": free_attention}
+    original = text.attention
     cfg, _ = load_train_config(config, [])
     ds, _ = data.build(cfg, "/tmp/prisma_bench_train")
     it = iter(ds)
@@ -126,7 +131,7 @@ def step_bench(names, rounds, config):
         st, m = compiled(st, batch)                   # warm-up
         jax.block_until_ready(m)
         runs[name] = [compiled, st, [], compiled.memory_analysis().temp_size_in_bytes]
-    text.attention = attention
+    text.attention = original
     for _ in range(rounds):                           # interleaved: one step of each per round
         for name, r in runs.items():
             b = next(it)

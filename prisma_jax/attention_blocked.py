@@ -2,10 +2,11 @@
 
 `blocked_attention(q, k, v, mask)` computes the same function as `layers.attention` (float32 scores and
 softmax, `finfo.min` at masked slots) block by block: the queries in blocks of `block_q` rows, each query block
-over its key range in chunks of `block_k` keys with an online softmax (running max, running sum). With
-`causal=True` a query block's key range stops at its last query, so the key blocks above the diagonal are
-never computed (the caller's mask must then allow no key after its query, as `model.attention_mask` with
-`write_pos = 0` and S_q = S_k). The blocks are unrolled at trace time: all shapes are static.
+over its key range in chunks of `block_k` keys with an online softmax (running max, running sum). The mask is
+an `attention.Mask` or a dense `[B, Sq, Sk]` bool. A query block's key range stops at its last query's last
+visible key when the mask says so: a `Mask` with a static `causal_start` c (keys j ≤ i + c), or a dense mask
+with `causal=True` (keys j ≤ i: the caller's promise). Key blocks beyond are never computed. The blocks are
+unrolled at trace time: all shapes are static.
 
 A `jax.custom_vjp` keeps only q, k, v, the mask, the output and each row's log-sum-exp; the backward pass
 recomputes each block's probabilities from them (the FlashAttention-2 backward: dS = P·(dP − rowsum(dO·O))).
@@ -16,6 +17,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from .attention import Mask
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -28,12 +31,13 @@ def _layout(q, k, v):
     return qt, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def _ranges(sq, sk, block_q, block_k, causal):
-    """[(q0, q1, [(k0, k1), ...]), ...]: each query block with its key chunks."""
+def _ranges(sq, sk, block_q, block_k, offset):
+    """[(q0, q1, [(k0, k1), ...]), ...]: each query block with its key chunks; query i sees no key after
+    i + offset (None: all keys)."""
     out = []
     for q0 in range(0, sq, block_q):
         q1 = min(q0 + block_q, sq)
-        end = min(q1, sk) if causal else sk
+        end = sk if offset is None else max(0, min(q1 + offset, sk))
         out.append((q0, q1, [(k0, min(k0 + block_k, end)) for k0 in range(0, end, block_k)]))
     return out
 
@@ -47,13 +51,13 @@ def _scores(qb, kb, mask_blk, g, scale):
     return s.reshape(b, kv, m, n)
 
 
-def _forward(q, k, v, mask, block_q, block_k, causal):
+def _forward(q, k, v, mask, block_q, block_k, offset):
     b, sq, h, hd = q.shape
     sk, kv = k.shape[1], k.shape[2]
     g, scale = h // kv, hd ** -0.5
     qt, kt, vt = _layout(q, k, v)
     outs, lses = [], []
-    for q0, q1, chunks in _ranges(sq, sk, block_q, block_k, causal):
+    for q0, q1, chunks in _ranges(sq, sk, block_q, block_k, offset):
         qb = qt[:, :, q0 * g:q1 * g]
         m = l = acc = None
         for k0, k1 in chunks:
@@ -76,16 +80,16 @@ def _forward(q, k, v, mask, block_q, block_k, causal):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _blocked(q, k, v, mask, block_q, block_k, causal):
-    return _forward(q, k, v, mask, block_q, block_k, causal)[0]
+def _blocked(q, k, v, mask, block_q, block_k, offset):
+    return _forward(q, k, v, mask, block_q, block_k, offset)[0]
 
 
-def _blocked_fwd(q, k, v, mask, block_q, block_k, causal):
-    out, lse = _forward(q, k, v, mask, block_q, block_k, causal)
+def _blocked_fwd(q, k, v, mask, block_q, block_k, offset):
+    out, lse = _forward(q, k, v, mask, block_q, block_k, offset)
     return out, (q, k, v, mask, out, lse)
 
 
-def _blocked_bwd(block_q, block_k, causal, res, d_out):
+def _blocked_bwd(block_q, block_k, offset, res, d_out):
     q, k, v, mask, out, lse = res
     b, sq, h, hd = q.shape
     sk, kv = k.shape[1], k.shape[2]
@@ -97,7 +101,7 @@ def _blocked_bwd(block_q, block_k, causal, res, d_out):
     dk = jnp.zeros(kt.shape, jnp.float32)
     dv = jnp.zeros(vt.shape, jnp.float32)
     dqs = []
-    for q0, q1, chunks in _ranges(sq, sk, block_q, block_k, causal):
+    for q0, q1, chunks in _ranges(sq, sk, block_q, block_k, offset):
         rows = slice(q0 * g, q1 * g)
         qb, dob = qt[:, :, rows], dot[:, :, rows]
         dq = jnp.zeros(qb.shape, jnp.float32)
@@ -118,12 +122,19 @@ def _blocked_bwd(block_q, block_k, causal, res, d_out):
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block_q: int = 128,
-                      block_k: int = 512, causal: bool = True) -> jax.Array:
-    """Grouped-query attention in blocks: q [B, Sq, H, hd], k/v [B, Sk, KV, hd], mask [B, Sq, Sk] bool
-    (True = may attend) → [B, Sq, H, hd], equal to `layers.attention(q, k, v, mask)` up to float32 rounding.
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, block_q: int = 128, block_k: int = 512,
+                      causal: bool = False) -> jax.Array:
+    """Grouped-query attention in blocks: q [B, Sq, H, hd], k/v [B, Sk, KV, hd], `mask` an `attention.Mask` or a
+    dense [B, Sq, Sk] bool (True = may attend) → [B, Sq, H, hd], equal to `attention.attention(q, k, v, mask,
+    "xla")` up to float32 rounding.
 
+    A `Mask` with a static `causal_start` skips the keys no query of a block may see. For a dense mask
     `causal=True` skips the keys after each query block's last query: the mask must allow none of them."""
+    offset = 0 if causal else None
+    if isinstance(mask, Mask):
+        start = mask.causal_start
+        offset = start if isinstance(start, int) and start >= 0 else None   # else: every key block is computed
+        mask = mask.dense()
     if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"blocked_attention: q {q.shape}, k {k.shape}, v {v.shape} are not [B, S, H, hd] / "
                          "[B, S, KV, hd] of one batch and head size")
@@ -134,4 +145,4 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                          f"{(q.shape[0], q.shape[1], k.shape[1])}")
     if block_q < 1 or block_k < 1:
         raise ValueError(f"blocked_attention: block sizes must be positive, got {block_q}, {block_k}")
-    return _blocked(q, k, v, mask.astype(bool), block_q, block_k, causal)
+    return _blocked(q, k, v, mask.astype(bool), block_q, block_k, offset)

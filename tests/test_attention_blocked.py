@@ -1,15 +1,15 @@
-"""`prisma_jax.attention_blocked.blocked_attention`: output and q/k/v gradients equal `layers.attention`'s and a
-float64 torch autograd re-derivation (GQA, causal + padding masks from `model.attention_mask`, blocks that do
-not divide the sequence, a non-causal mask), under jit; bad shapes are refused."""
+"""`prisma_jax.attention_blocked.blocked_attention`: output and q/k/v gradients equal the "xla" attention's
+(prisma_jax/attention.py) and a float64 torch autograd re-derivation (GQA; causal `Mask`s with padding, packed
+segments and an offset, or their dense form with `causal=True`; blocks that do not divide the sequence; a
+bidirectional and a random mask), under jit; bad shapes are refused."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+from prisma_jax.attention import Mask, attention, causal
 from prisma_jax.attention_blocked import blocked_attention
-from prisma_jax.layers import attention
-from prisma_jax.model import attention_mask
 
 B, S, H, KV, HD = 3, 40, 4, 2, 16
 
@@ -20,12 +20,21 @@ def inputs(seed=0):
     return q, k, v, d_out
 
 
+def segments():
+    """Row 0 one sequence, row 1 right-padded, row 2 left-padded and then two packed conversations."""
+    seg = np.ones((B, S), np.int32)
+    seg[1, 29:] = 0
+    seg[2, :7] = 0
+    seg[2, 25:] = 2
+    return jnp.asarray(seg)
+
+
 def padding_mask():
-    """Causal over each row's valid keys: row 0 full, row 1 right-padded, row 2 left-padded."""
-    valid = np.ones((B, S), bool)
-    valid[1, 29:] = False
-    valid[2, :7] = False
-    return attention_mask(jnp.asarray(valid), 0, S)
+    return causal(segments())
+
+
+def xla(q, k, v, mask):
+    return attention(q, k, v, mask, "xla")
 
 
 def torch_reference(q, k, v, mask, d_out):
@@ -34,29 +43,41 @@ def torch_reference(q, k, v, mask, d_out):
     g = H // KV
     kr, vr = kt.repeat_interleave(g, dim=2), vt.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bshd->bhqs", qt, kr) / np.sqrt(HD)
-    s = s.masked_fill(~torch.tensor(np.asarray(mask))[:, None], torch.finfo(torch.float32).min)
+    dense = mask.dense() if isinstance(mask, Mask) else mask
+    s = s.masked_fill(~torch.tensor(np.asarray(dense))[:, None], torch.finfo(torch.float32).min)
     out = torch.einsum("bhqs,bshd->bqhd", torch.softmax(s, -1), vr)
     (out * torch.tensor(d_out, dtype=torch.float64)).sum().backward()
     return out.detach().numpy(), tuple(x.grad.numpy() for x in (qt, kt, vt))
 
 
 def value_and_grads(fn, q, k, v, mask, d_out):
-    def loss(q, k, v):
-        o = fn(q, k, v, mask)
+    def loss(q, k, v):                      # the mask is built in the trace, as the model does
+        o = fn(q, k, v, mask())
         return (o * d_out).sum(), o
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return np.asarray(out), tuple(np.asarray(x) for x in grads)
 
 
-@pytest.mark.parametrize("block_q,block_k,causal", [(16, 12, True), (8, 40, True), (128, 512, True),
-                                                    (12, 7, False)])
-def test_blocked_equals_einsum_and_torch(block_q, block_k, causal):
+MASKS = {
+    "causal": padding_mask,
+    "dense causal": lambda: padding_mask().dense(),
+    "offset 5": lambda: Mask(segments(), segments(), 5),
+    "bidirectional": lambda: Mask(segments(), segments(), None),
+}
+
+
+@pytest.mark.parametrize("block_q,block_k,mask_kind", [
+    (16, 12, "causal"), (8, 40, "causal"), (128, 512, "causal"), (12, 7, "dense causal"), (16, 8, "offset 5"),
+    (16, 16, "bidirectional"), (12, 7, "dense")])
+def test_blocked_equals_xla_and_torch(block_q, block_k, mask_kind):
     q, k, v, d_out = inputs()
-    mask = padding_mask()
-    ref_out, ref_grads = torch_reference(q, k, v, mask, d_out)
-    ein_out, ein_grads = value_and_grads(attention, q, k, v, mask, d_out)
+    mask = MASKS.get(mask_kind, lambda: padding_mask().dense())
+    dense_causal = mask_kind == "dense causal"        # "dense": the same mask, every key block computed
+    ref_out, ref_grads = torch_reference(q, k, v, mask(), d_out)
+    ein_out, ein_grads = value_and_grads(xla, q, k, v, mask, d_out)
     out, grads = value_and_grads(
-        lambda *a: blocked_attention(*a, block_q=block_q, block_k=block_k, causal=causal), q, k, v, mask, d_out)
+        lambda *a: blocked_attention(*a, block_q=block_q, block_k=block_k, causal=dense_causal), q, k, v, mask,
+        d_out)
     np.testing.assert_allclose(out, ein_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     for got, ein, ref in zip(grads, ein_grads, ref_grads):
@@ -64,14 +85,14 @@ def test_blocked_equals_einsum_and_torch(block_q, block_k, causal):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_non_causal_mask():
-    """causal=False takes any mask: a random one (each query sees itself, so no row is empty)."""
+def test_random_mask():
+    """A dense mask without causality: a random one (each query sees itself, so no row is empty)."""
     q, k, v, d_out = inputs(1)
     r = np.random.default_rng(2)
     mask = (r.random((B, S, S)) < 0.4) | np.eye(S, dtype=bool)[None]
     ref_out, ref_grads = torch_reference(q, k, v, mask, d_out)
-    out, grads = value_and_grads(lambda *a: blocked_attention(*a, block_q=16, block_k=16, causal=False),
-                                 q, k, v, jnp.asarray(mask), d_out)
+    out, grads = value_and_grads(lambda *a: blocked_attention(*a, block_q=16, block_k=16),
+                                 q, k, v, lambda: jnp.asarray(mask), d_out)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     for got, ref in zip(grads, ref_grads):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
@@ -79,7 +100,7 @@ def test_non_causal_mask():
 
 def test_bad_input():
     q, k, v, _ = inputs()
-    mask = padding_mask()
+    mask = padding_mask().dense()
     with pytest.raises(ValueError, match="mask"):
         blocked_attention(q, k, v, mask[:, :-1])
     with pytest.raises(ValueError, match="not a multiple"):
