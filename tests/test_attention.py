@@ -112,6 +112,8 @@ def test_choice_by_platform_and_shape(monkeypatch):
     decode = A.causal(jnp.ones((1, 8), bool), jnp.int32(3), 1)          # a traced write slot
     dense = jnp.ones((1, 8, 8), bool)
     assert [A.resolve(i, text, 8) for i in ("auto", "xla", "pallas")] == ["xla", "xla", "splash"]   # on CPU
+    long = A.causal(jnp.ones((1, A.BLOCKED_MIN), bool))
+    assert A.resolve("auto", long, A.BLOCKED_MIN) == "blocked" and A.resolve("xla", long, A.BLOCKED_MIN) == "xla"
     assert A.resolve("pallas", decode, 1) == "xla" and A.resolve("pallas", dense, 8) == "xla"
     monkeypatch.setattr(A, "platform", lambda: "tpu")
     assert A.resolve("auto", text, 8) == "splash" and A.resolve("xla", text, 8) == "xla"
