@@ -1,6 +1,7 @@
 """Decode throughput: prisma-jax vs transformers, same random config, one process, side by side.
 
     .venv/bin/python benchmarks/decode.py [--batches 1 8] [--prompt 128] [--new 64] [--repeats 3] [--quick]
+    .venv/bin/python benchmarks/decode.py --dtype bfloat16 --batches 1 [--config configs/bench_1p7b.yaml] [overrides]
 
 Config (issue 3): Qwen3-VL text 8 layers × 1024 (16 heads, 4 kv heads, head_dim 64, intermediate 3072,
 V = 151,936, untied) + a 2^16 × 1024 uncertainty table, a 1-block vision tower that decoding never runs.
@@ -22,6 +23,12 @@ Python bookkeeping). Reported per batch size:
   `[B, V]` logits, the table row gathered and added for B tokens; best of 200 calls) as a share of the step;
 * bf16 weights.
 
+`--dtype bfloat16` runs both sides in bf16 (weights and KV cache) instead, with no separate bf16 variant; that
+is how an accelerator is measured (benchmarks/gpu.py). There the roofline uses the bandwidth of a jitted copy of
+a large array (read once, written once), and `--nominal-bw` adds the fraction of the device's nominal
+bandwidth. `--config` takes the model section of a training YAML (with `section.key=value` overrides) instead
+of the built-in config; transformers runs on `--device` (auto: CUDA when torch sees a GPU, else the CPU).
+
 Prints a Markdown table (paste into docs/benchmarks.md) and one JSON line.
 """
 from __future__ import annotations
@@ -34,10 +41,12 @@ import time
 
 import numpy as np
 
-import prisma_jax  # noqa: F401  first: its host-allocator settings (prisma_jax/runtime.py) then hold for both sides
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/runtime.py) then hold for both sides
 
 
 def text_config(quick: bool):
+    """The built-in config (transformers' Qwen3VLConfig): 408 M parameters, or a small one with `quick`."""
     from transformers import Qwen3VLConfig
     layers, hidden, inter, vocab = (2, 256, 768, 32000) if quick else (8, 1024, 3072, 151936)
     text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -66,6 +75,25 @@ def read_bandwidth() -> float:
         best = max(best, w.nbytes / min(_timed(lambda: f(*args).block_until_ready()) for _ in range(5)))
     del w
     return best
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes/s moved by a jitted copy of an `nbytes` float32 array (`x * 1.5`: each byte read once and written
+    once, so 2 × nbytes a call): best of 3 timings of 10 calls each."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.5)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(10):
+            y = f(x)
+        y.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / 10)
+    del x, y
+    return 2 * nbytes / best
 
 
 def matvec_read_rates() -> dict:
@@ -119,9 +147,12 @@ def prisma_runner(model, ids, **kw):
 
 def hf_runner(hf, ids):
     """The same for transformers: one forward over the prompt, then one cached forward per greedy token
-    (`generate` minus its Python bookkeeping). Returns (prefill s, decode s, first decode step s)."""
+    (`generate` minus its Python bookkeeping), on the model's device (each step waits for a GPU to finish).
+    Returns (prefill s, decode s, first decode step s)."""
     import torch
-    x = torch.as_tensor(ids)
+    dev = next(hf.parameters()).device
+    x = torch.as_tensor(ids, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def run(new):
         steps = []
@@ -130,12 +161,14 @@ def hf_runner(hf, ids):
             t = time.perf_counter()
             out = hf(input_ids=x, attention_mask=mask, use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
             pre = time.perf_counter() - t
             for _ in range(new - 1):
                 t = time.perf_counter()
                 mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
                 out = hf(input_ids=tok, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                sync()
                 steps.append(time.perf_counter() - t)
         return pre, sum(steps), steps[0]
     return run
@@ -187,6 +220,36 @@ def measure(runners: dict, new: dict, repeats: int) -> dict:
     return out
 
 
+def build_configs(args):
+    """(prisma-jax ModelConfig, transformers Qwen3VLConfig) of the same model: the built-in one, or the model
+    section of `--config` (a training YAML) with its overrides."""
+    from transformers import Qwen3VLConfig
+
+    from prisma_jax.config import config_from_hf, config_to_hf
+    if args.config:
+        from train.config import load_train_config
+        cfg = load_train_config(args.config, args.overrides)[0].model
+        hf_cfg = Qwen3VLConfig.from_dict(config_to_hf(cfg))
+    else:
+        if args.overrides:
+            raise SystemExit("decode.py: overrides need --config")
+        hf_cfg = text_config(args.quick)
+        cfg = config_from_hf(hf_cfg.to_dict())
+    return (cfg if args.attention is None else cfg.replace(attention=args.attention)), hf_cfg
+
+
+def hf_model(hf_cfg, dtype: str, device: str):
+    """transformers' model, created on `device` ("auto": CUDA when torch sees a GPU) in `dtype`."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = Qwen3VLForConditionalGeneration(hf_cfg)
+    return hf.to(getattr(torch, dtype)).eval()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -196,47 +259,73 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16-new", type=int, default=9, help="tokens per bf16 run (its steps are slow on XLA:CPU)")
     ap.add_argument("--quick", action="store_true", help="a small config, to check the script runs")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (e.g. on an accelerator host)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and KV cache of both sides (float32 also times a bf16 copy of prisma-jax's)")
+    ap.add_argument("--attention", choices=("auto", "xla", "pallas"), default=None,
+                    help="prisma-jax's attention kernels (default: the config's, auto)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="transformers' device")
+    ap.add_argument("--config", help="a training YAML whose model section replaces the built-in config")
+    ap.add_argument("--no-off", action="store_true", help="skip the mechanism-off variant")
+    ap.add_argument("--nominal-bw", type=float, help="the device's nominal memory bandwidth in bytes/s")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides of --config")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
 
     from prisma_jax import PrismaVL
-    from prisma_jax.config import config_from_hf
 
-    hf_cfg = text_config(args.quick)
-    cfg = config_from_hf(hf_cfg.to_dict())
-    model = PrismaVL.from_config(cfg, seed=0, dtype="float32", uncertainty_init="normal")
+    cfg, hf_cfg = build_configs(args)
+    backend = jax.default_backend()
+    if backend == "cpu":
+        model = PrismaVL.from_config(cfg, seed=0, dtype=args.dtype, uncertainty_init="normal")
+    else:               # one jitted program on the device (NumPy takes most of a minute for 1.7 B weights)
+        from prisma_jax.params import init_params
+        model = PrismaVL(cfg, jax.jit(lambda k: init_params(cfg, k, jnp.dtype(args.dtype)))(jax.random.key(0)))
     tc = cfg.text
+    el = jnp.dtype(args.dtype).itemsize
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
     per_layer = (tc.hidden_size * tc.head_dim * (2 * tc.num_attention_heads + 2 * tc.num_key_value_heads)
                  + 3 * tc.hidden_size * tc.intermediate_size + 2 * tc.hidden_size + 2 * tc.head_dim)
-    step_bytes = 4 * (tc.num_hidden_layers * per_layer + tc.hidden_size * tc.vocab_size + tc.hidden_size)
+    step_bytes = el * (tc.num_hidden_layers * per_layer + tc.hidden_size * tc.vocab_size + tc.hidden_size)
+    kv_token_bytes = el * 2 * tc.num_hidden_layers * tc.num_key_value_heads * tc.head_dim   # per row and position
+    copy_bw = copy_bandwidth(1 << 31 if backend != "cpu" else 1 << 28)
     mv = matvec_read_rates()
-    bw = max(read_bandwidth(), mv["float32"])        # the fastest read seen, either way
+    if backend == "cpu":
+        bw, bw_how = max(read_bandwidth(), mv["float32"]), "fastest jitted read (sum or matvec)"
+    else:
+        bw, bw_how = copy_bw, "jitted copy of a 2 GiB array (read + write)"
     roofline = bw / step_bytes
     load = os.getloadavg()[0]
-    info = {"device": str(jax.devices()[0].device_kind), "cores": os.cpu_count(), "params": n_params,
-            "step_weight_bytes": step_bytes, "read_GBps": bw / 1e9, "roofline_tok_s_b1": roofline,
+    info = {"device": str(jax.devices()[0].device_kind), "backend": backend, "cores": os.cpu_count(),
+            "dtype": args.dtype, "attention": cfg.attention, "config": args.config or ("quick" if args.quick else
+                                                                                       "built-in 408M"),
+            "params": n_params, "step_weight_bytes": step_bytes, "kv_bytes_per_token": kv_token_bytes,
+            "read_GBps": bw / 1e9, "bandwidth_measured_by": bw_how, "copy_GBps": copy_bw / 1e9,
+            "nominal_GBps": args.nominal_bw / 1e9 if args.nominal_bw else None, "roofline_tok_s_b1": roofline,
             "matvec_read_GBps": {k: v / 1e9 for k, v in mv.items()}, "loadavg_start": load, "rows": []}
     print(f"# {n_params / 1e6:.1f} M params (table included), {step_bytes / 1e9:.3f} GB weights read per step, "
-          f"read bandwidth {bw / 1e9:.2f} GB/s → fp32 roofline {roofline:.2f} tok/s at B=1; matvec weight reads "
-          f"fp32 {mv['float32'] / 1e9:.1f} GB/s, bf16 {mv['bfloat16'] / 1e9:.1f} GB/s; load avg {load:.1f}",
-          flush=True)
+          f"read bandwidth {bw / 1e9:.2f} GB/s ({bw_how}) → {args.dtype} weights-only roofline {roofline:.2f} "
+          f"tok/s at B=1; jitted copy {copy_bw / 1e9:.1f} GB/s; matvec weight reads fp32 "
+          f"{mv['float32'] / 1e9:.1f} GB/s, bf16 {mv['bfloat16'] / 1e9:.1f} GB/s; load avg {load:.1f}", flush=True)
 
-    hf = None
-    if not args.no_hf:
-        import torch
-        from transformers import Qwen3VLForConditionalGeneration
-        torch.manual_seed(0)
-        hf = Qwen3VLForConditionalGeneration(hf_cfg).eval()
+    hf = None if args.no_hf else hf_model(hf_cfg, args.dtype, args.device)
+    if hf is not None:
+        info["hf_device"] = str(next(hf.parameters()).device)
 
-    bf16 = PrismaVL(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params))
+    bf16 = (PrismaVL(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params))
+            if args.dtype == "float32" else None)
+    specials = (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
+    hi = min(tc.vocab_size, 150000 if not args.quick else 30000)
+    lo = 0 if min(specials) >= hi else max(specials) + 1          # random prompts hold no vision token
     rng = np.random.default_rng(0)
     for b in args.batches:
-        ids = rng.integers(0, 150000 if not args.quick else 30000, (b, args.prompt))
-        runners = {"prisma": prisma_runner(model, ids), "off": prisma_runner(model, ids, introspection=False),
-                   "bf16": prisma_runner(bf16, ids)}
+        ids = rng.integers(lo, hi, (b, args.prompt))
+        runners = {"prisma": prisma_runner(model, ids)}
+        if not args.no_off:
+            runners["off"] = prisma_runner(model, ids, introspection=False)
+        if bf16 is not None:
+            runners["bf16"] = prisma_runner(bf16, ids)
         if hf is not None:
             runners["hf"] = hf_runner(hf, ids)
         news = {k: min(args.new, args.bf16_new) if k == "bf16" else args.new for k in runners}
@@ -246,9 +335,18 @@ def main(argv=None) -> int:
             row[k] = v
             row[f"{k}_tok_s"] = b * news[k] / v["best_run_s"]             # prefill included, like `generate`
             row[f"{k}_step_tok_s"] = b / v["best_step_s"]
-        ratios = [a / o for a, o in zip(t["prisma"]["step_s"], t["off"]["step_s"])]
-        row["mechanism_overhead_pct"] = 100 * (float(np.median(ratios)) - 1)
-        row["mechanism_overhead_pct_rounds"] = [100 * (r - 1) for r in ratios]
+        # bytes a step must read: the weights, and the KV of the B rows' mean context over the run
+        row["step_bytes"] = step_bytes + b * kv_token_bytes * (args.prompt + args.new / 2)
+        row["roofline_tok_s"] = b * bw / row["step_bytes"]
+        for k in ("prisma", "hf"):
+            if k in t:
+                row[f"{k}_roofline_frac"] = row[f"{k}_step_tok_s"] / row["roofline_tok_s"]
+                if args.nominal_bw:
+                    row[f"{k}_nominal_frac"] = row[f"{k}_step_tok_s"] * row["step_bytes"] / b / args.nominal_bw
+        if "off" in t:
+            ratios = [a / o for a, o in zip(t["prisma"]["step_s"], t["off"]["step_s"])]
+            row["mechanism_overhead_pct"] = 100 * (float(np.median(ratios)) - 1)
+            row["mechanism_overhead_pct_rounds"] = [100 * (r - 1) for r in ratios]
         ops_s = mechanism_ops_s(cfg, model.params, b)
         row["mechanism_ops_ms"] = 1e3 * ops_s
         row["mechanism_ops_pct"] = 100 * ops_s / t["prisma"]["best_step_s"]
@@ -256,7 +354,8 @@ def main(argv=None) -> int:
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
 
-    print("\n| B | prisma fp32 decode tok/s | transformers fp32 decode tok/s | ratio | fp32 roofline tok/s | "
+    dt = "fp32" if args.dtype == "float32" else "bf16"
+    print(f"\n| B | prisma {dt} decode tok/s | transformers {dt} decode tok/s | ratio | {dt} roofline tok/s | "
           "whole run tok/s prisma / transformers | compile s | mechanism off decode tok/s | overhead (median of rounds) | "
           "mechanism ops alone | "
           "bf16 decode tok/s (bf16 / fp32) |")
@@ -267,12 +366,15 @@ def main(argv=None) -> int:
         hf_s = f"{r['hf_step_tok_s']:.1f}" if has_hf else "–"
         ratio = f"{r['prisma_step_tok_s'] / r['hf_step_tok_s']:.2f}×" if has_hf else "–"
         whole = f"{r['prisma_tok_s']:.1f} / {r['hf_tok_s']:.1f}" if has_hf else f"{r['prisma_tok_s']:.1f} / –"
-        print(f"| {b} | {r['prisma_step_tok_s']:.1f} | {hf_s} | {ratio} | {roofline * b:.1f} | {whole} | "
-              f"{r['compile_s']:.1f} | {r['off_step_tok_s']:.1f} | {r['mechanism_overhead_pct']:+.1f} % | "
-              f"{r['mechanism_ops_ms']:.3f} ms ({r['mechanism_ops_pct']:.2f} %) | "
-              f"{r['bf16_step_tok_s']:.1f} ({r['bf16_step_tok_s'] / r['prisma_step_tok_s']:.2f}×) |")
+        off = (f"{r['off_step_tok_s']:.1f} | {r['mechanism_overhead_pct']:+.1f} %" if "off" in r else "– | –")
+        bf = (f"{r['bf16_step_tok_s']:.1f} ({r['bf16_step_tok_s'] / r['prisma_step_tok_s']:.2f}×)" if "bf16" in r
+              else "–")
+        print(f"| {b} | {r['prisma_step_tok_s']:.1f} | {hf_s} | {ratio} | {r['roofline_tok_s']:.1f} | {whole} | "
+              f"{r['compile_s']:.1f} | {off} | "
+              f"{r['mechanism_ops_ms']:.3f} ms ({r['mechanism_ops_pct']:.2f} %) | {bf} |")
     print(f"\n(decode tok/s = B ÷ the best decode-only step time over {args.repeats} rounds; roofline at B = B × read "
-          f"bandwidth ÷ weight bytes per step; whole run = prefill + {args.new - 1} steps, best round)")
+          f"bandwidth ÷ bytes read per step: weights + the KV of a mean context; whole run = prefill + "
+          f"{args.new - 1} steps, best round)")
     print(json.dumps(info))
     return 0
 

@@ -73,3 +73,22 @@ def test_unknown_and_missing_keys_are_named(tmp_path):
     y.write_text(open(os.path.join(ROOT, "configs", "tiny.yaml")).read().replace("head_dim: 32", "head_dims: 32"))
     with pytest.raises(ConfigError, match="head_dims"):
         load_yaml_config(y)
+
+
+def test_bench_1p7b_text_model_is_qwen3_1p7b_sized():
+    """configs/bench_1p7b.yaml (benchmarks/gpu.py): its text model has as many parameters as transformers'
+    Qwen3ForCausalLM with Qwen3-1.7B's dimensions (built on the meta device), 1,720,574,976, head tied."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from train.config import load_train_config
+    cfg = load_train_config(os.path.join(ROOT, "configs", "bench_1p7b.yaml"))[0].model
+    t = cfg.text
+    hc = Qwen3Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                     num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+                     num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                     tie_word_embeddings=cfg.tie_word_embeddings)
+    with torch.device("meta"):
+        ref = sum(p.numel() for p in Qwen3ForCausalLM(hc).parameters())
+    c = param_counts(cfg)
+    assert c["text"] + c["lm_head"] == ref == 1_720_574_976
