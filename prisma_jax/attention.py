@@ -21,7 +21,8 @@ Implementations (`ModelConfig.attention`: "auto" | "xla" | "pallas"; docs/design
   another platform "pallas" runs the same kernel in Pallas interpret mode (what the tests compare with "xla").
   A decode step (one query against a cache whose write slot is traced) runs "xla": it reads each cache slot
   once either way. "auto" on TPU is "pallas".
-* "auto" on GPU: `jax.nn.dot_product_attention` (cuDNN's fused kernel where it applies, else XLA).
+* "auto" on GPU: `jax.nn.dot_product_attention` with cuDNN's fused kernel for bf16/fp16 (the mask as its bias),
+  XLA's for float32 or where cuDNN refuses the shape.
 
 A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) always runs "xla".
 """
@@ -102,8 +103,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, impl: str = "auto"
         from .attention_blocked import blocked_attention
         out = blocked_attention(q, k, v, mask)
     elif how == "gpu":
-        dense = mask.dense() if isinstance(mask, Mask) else mask
-        out = jax.nn.dot_product_attention(q, k, v, mask=dense[:, None])
+        out = _gpu(q, k, v, mask.dense())
     else:
         out = _xla(q, k, v, mask.dense() if isinstance(mask, Mask) else mask)
     return constrain(out, (batch_axis, "seq", "heads", None))
@@ -118,6 +118,17 @@ def _xla(q, k, v, mask):
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", w, v).reshape(b, sq, h, hd)
+
+
+def _gpu(q, k, v, mask):
+    """cuDNN's fused attention for bf16/fp16 (the mask as its bias), else XLA's, both through
+    `jax.nn.dot_product_attention` (whose default implementation is XLA's)."""
+    if q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):    # a shape, dtype or cuDNN version it refuses
+            pass
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
 
 
 def _pad_to(x, axis: int, multiple: int):
