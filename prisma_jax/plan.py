@@ -515,6 +515,8 @@ def run(args) -> int:
         print(f"training step  not planned: {args.quantize} params are for generation only")
     elif not args.no_train:
         print(format_train(plan_train(tcfg, p, devices), p, tcfg))
+    if args.no_decode:
+        return 0
     gen_mesh = make_mesh(p.generate, devices)
     gb = args.gen_batch or gen_mesh.shape["data"] * gen_mesh.shape["fsdp"]
     r = plan_decode(tcfg.model, p, devices, gb, args.cache_len or tcfg.train.seq_len, quantize=args.quantize)
@@ -543,6 +545,7 @@ def add_parser(sub):
                          "one it used ('attention: pallas (splash)')")
     ap.add_argument("--search", action="store_true", help="find the largest training batch that fits")
     ap.add_argument("--no-train", action="store_true", help="only the decode loop")
+    ap.add_argument("--no-decode", action="store_true", help="only the training step")
     from .quantize import MODES
 
     ap.add_argument("--quantize", choices=MODES, help="plan the decode loop on int8 weights (quantize.py); "
