@@ -28,6 +28,8 @@ A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) a
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 from typing import NamedTuple
 
 import jax
@@ -142,14 +144,16 @@ def _pad_to(x, axis: int, multiple: int):
 
 def _splash_kernel(groups: int, sq: int, sk: int, causal_start, interpret: bool):
     """The MQA kernel for one key/value head's `groups` query heads. Its block-mask tables are arrays: built
-    eagerly (constants of the program), so that no tracer of the calling trace is kept in them."""
+    eagerly (constants of the program), so that no tracer of the calling trace is kept in them, and in a thread
+    of their own, outside the caller's mesh (an ahead-of-time TPU topology's devices cannot run an eager op)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
     one = (mask_lib.FullMask((sq, sk)) if causal_start is None
            else mask_lib.CausalMask((sq, sk), offset=causal_start))
-    with jax.ensure_compile_time_eval():
-        return sk_lib.make_splash_mqa(mask_lib.MultiHeadMask([one] * groups), head_shards=1, q_seq_shards=1,
-                                      interpret=interpret)
+    build = functools.partial(sk_lib.make_splash_mqa, mask_lib.MultiHeadMask([one] * groups), head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(build).result()
 
 
 def _splash(q, k, v, mask: Mask, batch_axis: str):

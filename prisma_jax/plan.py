@@ -2,7 +2,7 @@
 a CPU host, with the real TPU compiler (libtpu from the `[tpu]` extra) — nothing is materialised.
 
     prisma plan --config configs/prisma_vl_8b.yaml --mesh v5p-8 [--batch B --seq S] [--images N --image-size S]
-                [--search] [--quantize int8]
+                [--search] [--quantize int8] [--attention auto|xla|pallas]
 
 `jax.experimental.topologies.get_topology_desc` gives abstract TPU devices for the preset's topology
 (sharding.PRESETS); every input is a `ShapeDtypeStruct` carrying its sharding (sharding.py's rules). For each
@@ -14,6 +14,8 @@ for 8 simulated CPU devices instead. The programs are the real ones: the trainin
 plans PLAN_IMAGES image a row of PLAN_IMAGE_SIZE²); the decode program is generate.py's `decode` (the
 `lax.while_loop` `generate` runs, greedy) on the state generate.py's `prefill` returns. `--quantize int8`
 plans that decode program on the int8 params (quantize.py) and no training step (they cannot be trained).
+Each program's line "attention:" names the kernels its lowered program holds (`pallas (splash)` when it calls
+splash attention's Pallas kernels, else `xla`) and the `model.attention` asked for (`--attention`).
 """
 from __future__ import annotations
 
@@ -336,12 +338,27 @@ def _train_plan_head(tcfg, mesh: Mesh) -> dict:
             "flops": train_flops(tcfg.model, tr.batch_size, tr.seq_len, tr.introspection_passes)}
 
 
+_KERNEL = re.compile(r'kernel_name\s*=\s*"([A-Za-z0-9_]+)"')
+
+
+def pallas_kernels(lowered_text: str) -> list[str]:
+    """Names of the Pallas TPU kernels (`tpu_custom_call`s) a lowered program calls."""
+    return sorted(set(_KERNEL.findall(lowered_text)))
+
+
+def attention_used(kernels: list[str]) -> str:
+    """The attention implementation a program runs, from its Pallas kernels: "pallas (splash)" or "xla"."""
+    return "pallas (splash)" if any(k.startswith("splash") for k in kernels) else "xla"
+
+
 def plan_train(tcfg, p: Preset, devices) -> dict:
     mesh = make_mesh(p.train, devices)
     out = _train_plan_head(tcfg, mesh)
     t0 = time.time()
+    lowered = lower_train(tcfg, mesh)
+    out["attention"] = attention_used(pallas_kernels(lowered.as_text()))
     try:
-        compiled = lower_train(tcfg, mesh).compile()
+        compiled = lowered.compile()
     except Exception as e:     # the TPU compiler refuses what cannot fit: that is the answer, not an error
         oom = compiler_oom(e)
         if oom is None:
@@ -359,11 +376,12 @@ def plan_decode(cfg: ModelConfig, p: Preset, devices, batch: int, cache_len: int
     t0 = time.time()
     spec = decode_spec()
     args = decode_args(cfg, mesh, batch, cache_len, dtype, spec, quantize)
-    compiled = lower_decode(cfg, mesh, batch, cache_len, dtype, spec, args).compile()
+    lowered = lower_decode(cfg, mesh, batch, cache_len, dtype, spec, args)
+    compiled = lowered.compile()
     mem = memory(compiled)
     weights, cache = bytes_per_device(args[0]), bytes_per_device(args[1].cache)
     out = {"mesh": _mesh_str(mesh), "batch": batch, "cache_len": cache_len, "new_bucket": spec.new_bucket,
-           "quantize": quantize,
+           "quantize": quantize, "attention": attention_used(pallas_kernels(lowered.as_text())),
            "memory": mem, "weights": weights, "cache": cache, "seconds": time.time() - t0,
            "bad_gathers": forbidden_gathers(compiled.as_text(), cfg, batch),
            "fits": None if p.hbm_gib is None else mem.total <= p.hbm_gib * GiB}
@@ -436,6 +454,8 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
              f"  per device: {r['oom']}{verdict}",
              f"  FLOPs/step: 6·N·tokens {f['6N_tokens']:.3e} + attention {f['attention']:.3e} + introspection "
              f"{f['introspection']:.3e} = {f['total']:.3e} ({f['total'] / p.n_devices:.3e} per device)"]
+    if "attention" in r:       # not when the search ruled the step out without lowering it
+        lines.append(f"  attention: {r['attention']} (model.attention={tcfg.model.attention})")
     chip = (p.topology or "").split(":")[0]
     if chip in PEAK_BF16_TFLOPS:
         lines.append(f"  at 100% of the {chip} bf16 peak: {f['total'] / p.n_devices / (PEAK_BF16_TFLOPS[chip] * 1e12):.2f}"
@@ -444,7 +464,7 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
     return "\n".join(lines)
 
 
-def format_decode(r: dict, p: Preset) -> str:
+def format_decode(r: dict, p: Preset, cfg: ModelConfig) -> str:
     m = r["memory"]
     hbm = "simulated" if p.hbm_gib is None else f"{p.hbm_gib:g} GiB"
     verdict = "" if r["fits"] is None else (": fits" if r["fits"] else ": DOES NOT FIT")
@@ -452,7 +472,8 @@ def format_decode(r: dict, p: Preset) -> str:
              f"slots ({r['cache_len'] - r['new_bucket']} prompt + {r['new_bucket']} new), bfloat16"
              + (f", {r['quantize']} kernels" if r.get("quantize") else ""),
              f"  per device: weights {_gib(r['weights'])}, arguments {_gib(m.arguments)}, temporaries "
-             f"{_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}"]
+             f"{_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}",
+             f"  attention: {r['attention']} (model.attention={cfg.attention}; a decode step runs XLA)"]
     if "kv_budget_tokens" in r:
         lines.append(f"  KV-cache budget: {r['kv_budget_tokens']:,} tokens (batch × length) over the mesh")
     bad = r["bad_gathers"]
@@ -470,7 +491,8 @@ def run(args) -> int:
                                    f" --xla_force_host_platform_device_count={p.n_devices}").strip()
     devices = plan_devices(p)
     shards = batch_shards(make_mesh(p.train, devices))   # the default batch: one row per batch shard
-    cfg_of = lambda b, s: train_config(args.config, b, s, args.set, args.images, args.image_size,  # noqa: E731
+    overrides = list(args.set) + ([f"model.attention={args.attention}"] if args.attention else [])
+    cfg_of = lambda b, s: train_config(args.config, b, s, overrides, args.images, args.image_size,  # noqa: E731
                                        default_batch=shards)
     tcfg = cfg_of(args.batch, args.seq)
     print(f"prisma plan: {args.config} on {p.name} ({p.topology or 'simulated CPU'}, {p.n_devices} devices"
@@ -493,10 +515,12 @@ def run(args) -> int:
         print(f"training step  not planned: {args.quantize} params are for generation only")
     elif not args.no_train:
         print(format_train(plan_train(tcfg, p, devices), p, tcfg))
+    if args.no_decode:
+        return 0
     gen_mesh = make_mesh(p.generate, devices)
     gb = args.gen_batch or gen_mesh.shape["data"] * gen_mesh.shape["fsdp"]
     r = plan_decode(tcfg.model, p, devices, gb, args.cache_len or tcfg.train.seq_len, quantize=args.quantize)
-    print(format_decode(r, p))
+    print(format_decode(r, p, tcfg.model))
     return 0
 
 
@@ -514,8 +538,14 @@ def add_parser(sub):
                     f"{(PLAN_IMAGE_SIZE // 16) ** 2 // 4} merged tokens at patch 16, merge 2)")
     ap.add_argument("--gen-batch", type=int, help="decode batch (default: one row per batch shard)")
     ap.add_argument("--cache-len", type=int, help="decode KV-cache slots, prompt + 16 new (default: the training seq)")
+    ap.add_argument("--attention", choices=("auto", "xla", "pallas"),
+                    help="attention kernels of the planned programs (model.attention; default: the YAML's, else "
+                         "auto): auto and pallas = splash attention's Pallas kernels for training and prefill on "
+                         "TPU, xla = the einsum path; a decode step runs XLA either way. Each program prints the "
+                         "one it used ('attention: pallas (splash)')")
     ap.add_argument("--search", action="store_true", help="find the largest training batch that fits")
     ap.add_argument("--no-train", action="store_true", help="only the decode loop")
+    ap.add_argument("--no-decode", action="store_true", help="only the training step")
     from .quantize import MODES
 
     ap.add_argument("--quantize", choices=MODES, help="plan the decode loop on int8 weights (quantize.py); "

@@ -1,7 +1,8 @@
 """Ahead-of-time compiles of the tiny model with the real TPU compiler (libtpu, `[tpu]` extra) for a v5p:2x2x1
 topology, from this CPU machine: generate.py's decode loop compiles for TPU and its HLO all-gathers no table
 and no `[B, V]` logits (the TPU partitioner is the one that matters); the planned training step carries its
-image slots, whose pixels the compiler counts in every device's arguments."""
+image slots, whose pixels the compiler counts in every device's arguments; with `attention: auto` the TPU compiler
+accepts the training step with splash attention's Pallas kernels, and `prisma plan` says so."""
 import json
 import math
 import os
@@ -39,3 +40,33 @@ def test_tiny_decode_step_compiles_for_tpu_without_table_gathers(tmp_path):
     added = t2["arguments"] - t0["arguments"]
     assert t2["pixel_bytes"] <= added <= t2["pixel_bytes"] + geometry_bytes
     assert t2["temporaries"] > t0["temporaries"]               # the vision tower's activations
+
+
+def test_plan_tiny_uses_splash_kernels_on_tpu_and_says_so():
+    """`prisma plan` on v5p:2x2x1 with the YAML's `attention: auto`: the TPU compiler accepts the training step
+    with splash attention's Pallas kernels (forward, dq and dkv), the plan says which attention each program ran
+    (the decode loop: XLA), and `--attention xla` lowers no Pallas kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
+    p = subprocess.run([sys.executable, "-m", "prisma_jax.cli", "plan", "--config",
+                        os.path.join(HERE, "..", "configs", "tiny.yaml"), "--mesh", "v5p-8", "--seq", "256"],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    train, decode = p.stdout.split("decode loop")
+    assert "GiB of 95 GiB: fits" in train and "GiB of 95 GiB: fits" in decode
+    assert "  attention: pallas (splash) (model.attention=auto)\n" in train
+    assert "  attention: xla (model.attention=auto; a decode step runs XLA)\n" in decode
+
+    script = ("import json; from prisma_jax.plan import *; from prisma_jax.sharding import make_mesh, preset\n"
+              "mesh = make_mesh(preset('v5p-8').train, plan_devices(preset('v5p-8')))\n"
+              "print(json.dumps({a: pallas_kernels(lower_train(train_config('configs/tiny.yaml', 4, 256, "
+              "[f'model.attention={a}']), mesh).as_text()) for a in ('xla', 'pallas')}))")
+    q = subprocess.run([sys.executable, "-c", script], env=env, cwd=os.path.dirname(HERE), capture_output=True,
+                       text=True, timeout=900)
+    assert q.returncode == 0, q.stderr[-3000:]
+    kernels = json.loads(q.stdout.strip().splitlines()[-1])
+    assert kernels["xla"] == []
+    # the causal text layers and the bidirectional vision tower, each with its backward (remat: full recomputes
+    # the forward with residuals)
+    assert {k.split("_segmented")[0] for k in kernels["pallas"]} == {"splash_mqa_fwd", "splash_mqa_dq",
+                                                                      "splash_mqa_dkv"}
