@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .sharding import constrain, spec_for
 
@@ -56,6 +57,13 @@ class Mask(NamedTuple):
         sq, sk = self.q_segment.shape[1], self.kv_segment.shape[1]
         q_slot = self.causal_start + jnp.arange(sq)
         return allowed & (jnp.arange(sk)[None, :] <= q_slot[:, None])[None]
+
+
+def segments_in_order(row) -> np.ndarray:
+    """The nonzero segment ids of one host row `[S]`, in the order of their first tokens (0 = padding)."""
+    ids, first = np.unique(np.asarray(row), return_index=True)
+    ids = ids[np.argsort(first)]
+    return ids[ids != 0]
 
 
 def causal(key_segment: jax.Array, write_pos=0, n_query: int | None = None) -> Mask:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .attention import segments_in_order
 from .config import ModelConfig
 from .model import Batch
 from .rope import rope_index
@@ -123,10 +124,7 @@ def _check_image_runs(cfg: ModelConfig, is_img: np.ndarray, mask: np.ndarray, gr
     want = [] if grid is None else [int(t * h * w) // m2 for t, h, w in grid]
     runs = []
     for r in range(is_img.shape[0]):
-        ids, first = np.unique(mask[r], return_index=True)
-        for seg in ids[np.argsort(first)]:
-            if seg == 0:
-                continue
+        for seg in segments_in_order(mask[r]):
             row = is_img[r][mask[r] == seg].astype(np.int8)
             edges = np.flatnonzero(np.diff(np.concatenate([[0], row, [0]])))
             runs += list(edges[1::2] - edges[::2])

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import segments_in_order
 from .config import ModelConfig
 from .layers import torch_inv_freq
 
@@ -31,10 +32,7 @@ def rope_index(cfg: ModelConfig, input_ids: np.ndarray, attention_mask: np.ndarr
     deltas = np.zeros((b,), np.int64)
     grids = iter([] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw])
     for r in range(b):
-        ids_r, first = np.unique(seg_ids[r], return_index=True)
-        for seg in ids_r[np.argsort(first)]:
-            if seg == 0:
-                continue
+        for seg in segments_in_order(seg_ids[r]):
             keep = np.nonzero(seg_ids[r] == seg)[0]
             out = _segment_positions(cfg, input_ids[r, keep], grids, m)
             pos[:, r, keep] = out
