@@ -1,7 +1,7 @@
 """Training throughput: prisma-jax's train step on configs/bench_58m.yaml vs transformers + torch.optim.AdamW.
 
     .venv/bin/python benchmarks/train.py [--config configs/bench_58m.yaml] [--steps 8] [--warmup 2] [--skip-torch]
-                                         [--device auto|cpu|cuda] [section.key=value ...]
+                                         [--device auto|cpu|cuda] [--profile [--top 15]] [section.key=value ...]
 
 Both sides: the same dimensions (Qwen3 text decoder, 8 × 512, V = 32,000, untied), the same batch
 (B × S random tokens, every position supervised), float32, AdamW with global-norm clipping. The JAX side is
@@ -13,7 +13,12 @@ With `train.compute_dtype=bfloat16` both sides compute in bf16 over float32 mast
 under `torch.autocast`) and the peak is that of bf16 matmuls. torch runs on `--device` (auto: CUDA when torch
 sees a GPU; then it runs first and frees its memory before the JAX step, which holds the rest); the JAX side
 runs on JAX's default backend. On an accelerator the peak loop multiplies 8192² matrices.
-Prints one Markdown table row per side and a JSON line. Both sides run under the host-allocator settings that
+Prints one Markdown table row per side and a JSON line.
+`--profile` (CPU) instead traces `--steps` steps of each side, after 3 untimed ones: the JAX step under
+`jax.profiler` (each XLA:CPU op event is an HLO instruction: grouped into the matmuls — `dot`, or the YNNPACK
+fusions XLA:CPU builds around one —, copies and transposes, and the rest), transformers' under
+`torch.profiler` (self time by aten op), and prints each side's op kinds and largest ops beside its unprofiled
+step time: the profilers add their own cost, so shares are the numbers to read. Both sides run under the host-allocator settings that
 importing prisma_jax applies (prisma_jax/runtime.py; `PRISMA_MALLOC_TUNING=0` turns them off).
 """
 from __future__ import annotations
@@ -71,20 +76,24 @@ def model_flops_per_step(cfg) -> float:
     return b * s * (6 * n_mm + attn + fwd_passes * (2 * n_mm + attn / 3))
 
 
-def bench_jax(cfg, steps, warmup):
+def jax_step(cfg):
+    """(compiled jitted train step, state, batch iterator, compile seconds, memory analysis)."""
     import jax
 
     from train import data, step
     ds, _ = data.build(cfg, "/tmp/prisma_bench_train")
     it = iter(ds)
     st = step.init_state(cfg)
-    batch = next(it)
     fn = jax.jit(step.make_train_step(cfg, st.params), donate_argnums=0)
     t = time.perf_counter()
-    compiled = fn.lower(st, batch).compile()
-    compile_s = time.perf_counter() - t
+    compiled = fn.lower(st, next(it)).compile()
+    return compiled, st, it, time.perf_counter() - t, compiled.memory_analysis()
+
+
+def bench_jax(cfg, steps, warmup):
+    import jax
+    compiled, st, it, compile_s, mem = jax_step(cfg)
     print(f"jax: compiled in {compile_s:.0f} s", file=sys.stderr, flush=True)
-    mem = compiled.memory_analysis()
     for _ in range(warmup):
         st, m = compiled(st, next(it))
         jax.block_until_ready(m)
@@ -101,7 +110,8 @@ def bench_jax(cfg, steps, warmup):
             "out_bytes": int(mem.output_size_in_bytes)}
 
 
-def bench_torch(cfg, steps, warmup, device="cpu"):
+def torch_step(cfg, device="cpu"):
+    """(one step of transformers' Qwen3ForCausalLM + torch AdamW on fresh random tokens → loss, the model)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.set_num_threads(os.cpu_count() or 1)
@@ -129,8 +139,13 @@ def bench_torch(cfg, steps, warmup, device="cpu"):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm or 1e9)
         opt.step()
-        return float(loss)          # waits for the step (a GPU's too)
+        return loss.item()          # waits for the step (a GPU's too)
 
+    return one, model
+
+
+def bench_torch(cfg, steps, warmup, device="cpu"):
+    one, model = torch_step(cfg, device)
     for _ in range(warmup):
         one()
     times = []
@@ -143,6 +158,98 @@ def bench_torch(cfg, steps, warmup, device="cpu"):
     return {"step_s": float(np.median(times)), "loss": loss, "params": n, "device": device}
 
 
+# ---------------------------------------------------------------------------------------------- --profile
+
+def _xla_kind(name: str) -> str:
+    """An XLA:CPU op's kind, from its HLO instruction name (`ynn_fusion.12`, `copy_bitcast_fusion.3`, ...)."""
+    base = name.split(".")[0]
+    if base.startswith(("ynn_fusion", "xnn_fusion", "dot", "convolution", "custom-call")):
+        return "matmuls (YNNPACK fusions, dot)"
+    if base.startswith(("copy", "transpose")):
+        return "copies / transposes"
+    if base.startswith(("while", "call", "conditional")):
+        return "control flow"
+    return "other fusions and ops"
+
+
+def _torch_kind(name: str) -> str:
+    if any(x in name for x in ("mm", "linear", "matmul")):
+        return "matmuls (mm, addmm, ...)"
+    if "attention" in name:
+        return "attention (SDPA)"
+    if "softmax" in name or "nll" in name:
+        return "softmax / cross-entropy"
+    return "other ops"
+
+
+def profile_jax(cfg, steps: int, top: int) -> dict:
+    """`steps` steps under `jax.profiler` (a Perfetto trace); op events, named by HLO instruction, summed."""
+    import collections
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+    compiled, st, it, _, _ = jax_step(cfg)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        st, m = compiled(st, next(it))
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    batches = [next(it) for _ in range(steps)]
+    out = tempfile.mkdtemp(prefix="prisma_profile_")
+    t = time.perf_counter()
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        for b in batches:
+            st, m = compiled(st, b)
+            jax.block_until_ready(m)
+    traced = (time.perf_counter() - t) / steps
+    with gzip.open(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)[0]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and "dur" in e and name[:1].islower() and "." in name and " " not in name:
+            ops[name] += e["dur"] / 1e6 / steps
+    return {"step_s": min(times[1:]), "traced_step_s": traced, "ops": ops, "kind": _xla_kind, "top": top}
+
+
+def profile_torch(cfg, steps: int, top: int) -> dict:
+    """`steps` steps under `torch.profiler`, self CPU time by aten op."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+    one, _ = torch_step(cfg)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            one()
+        traced = (time.perf_counter() - t) / steps
+    ops = collections.Counter({e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()})
+    return {"step_s": min(times[1:]), "traced_step_s": traced, "ops": ops, "kind": _torch_kind, "top": top}
+
+
+def print_profile(side: str, r: dict) -> None:
+    import collections
+    kinds = collections.Counter()
+    for name, s in r["ops"].items():
+        kinds[r["kind"](name)] += s
+    print(f"\n{side}: step {r['step_s']:.2f} s unprofiled, {r['traced_step_s']:.2f} s profiled")
+    print("| kind | s a profiled step | share |\n| --- | --- | --- |")
+    for k, s in kinds.most_common():
+        print(f"| {k} | {s:.2f} | {100 * s / r['traced_step_s']:.0f} % |")
+    print("\n| op | s a profiled step |\n| --- | --- |")
+    for n, s in r["ops"].most_common(r["top"]):
+        print(f"| `{n[:90]}` | {s:.3f} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/bench_58m.yaml")
@@ -151,6 +258,9 @@ def main(argv=None):
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="torch's device (auto: CUDA when torch sees a GPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: where each side's step goes, op by op (jax.profiler / torch.profiler, CPU)")
+    ap.add_argument("--top", type=int, default=15, help="with --profile: the largest ops listed")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     import jax
@@ -158,6 +268,11 @@ def main(argv=None):
 
     from train.config import load_train_config
     cfg, _ = load_train_config(a.config, a.overrides)
+    if a.profile:
+        print_profile("prisma-jax (XLA:CPU ops)", profile_jax(cfg, a.steps, a.top))
+        if not a.skip_torch:
+            print_profile("transformers (aten ops, self time)", profile_torch(cfg, a.steps, a.top))
+        return
     device = a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     tokens = cfg.train.batch_size * cfg.train.seq_len
     flops = model_flops_per_step(cfg)
