@@ -18,8 +18,9 @@ Prints one Markdown table row per side and a JSON line.
 `jax.profiler` (each XLA:CPU op event is an HLO instruction: grouped into the matmuls — `dot`, or the YNNPACK
 fusions XLA:CPU builds around one —, copies and transposes, and the rest), transformers' under
 `torch.profiler` (self time by aten op), and prints each side's op kinds and largest ops beside its unprofiled
-step time: the profilers add their own cost, so shares are the numbers to read. Both sides run under the host-allocator settings that
-importing prisma_jax applies (prisma_jax/runtime.py; `PRISMA_MALLOC_TUNING=0` turns them off).
+step time: the profilers add their own cost, so shares are the numbers to read.
+Both sides run under the host-allocator settings that importing prisma_jax applies (prisma_jax/runtime.py;
+`PRISMA_MALLOC_TUNING=0` turns them off).
 """
 from __future__ import annotations
 
@@ -198,15 +199,15 @@ def profile_jax(cfg, steps: int, top: int) -> dict:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     batches = [next(it) for _ in range(steps)]
-    out = tempfile.mkdtemp(prefix="prisma_profile_")
-    t = time.perf_counter()
-    with jax.profiler.trace(out, create_perfetto_trace=True):
-        for b in batches:
-            st, m = compiled(st, b)
-            jax.block_until_ready(m)
-    traced = (time.perf_counter() - t) / steps
-    with gzip.open(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)[0]) as f:
-        events = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="prisma_profile_") as out:
+        t = time.perf_counter()
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            for b in batches:
+                st, m = compiled(st, b)
+                jax.block_until_ready(m)
+        traced = (time.perf_counter() - t) / steps
+        with gzip.open(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)[0]) as f:
+            events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     ops = collections.Counter()
     for e in events:
