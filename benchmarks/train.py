@@ -14,7 +14,8 @@ under `torch.autocast`) and the peak is that of bf16 matmuls. torch runs on `--d
 sees a GPU; then it runs first and frees its memory before the JAX step, which holds the rest); the JAX side
 runs on JAX's default backend. On an accelerator the peak loop multiplies 8192² matrices.
 Prints one Markdown table row per side and a JSON line.
-`--profile` (CPU) instead traces `--steps` steps of each side, after 3 untimed ones: the JAX step under
+`--profile` (CPU) instead first times each side's forward alone, forward + backward and the whole step
+(unprofiled, best of 3), then traces `--steps` steps of each side, after 3 untimed ones: the JAX step under
 `jax.profiler` (each XLA:CPU op event is an HLO instruction: grouped into the matmuls — `dot`, or the YNNPACK
 fusions XLA:CPU builds around one —, copies and transposes, and the rest), transformers' under
 `torch.profiler` (self time by aten op), and prints each side's op kinds and largest ops beside its unprofiled
@@ -132,14 +133,18 @@ def torch_step(cfg, device="cpu"):
                             weight_decay=o.weight_decay)
     g = torch.Generator().manual_seed(0)
 
-    def one():
+    def one(phase="step"):
+        """phase: "forward" (no autograd), "backward" (forward + backward, no update) or "step" (all)."""
         ids = torch.randint(0, t.vocab_size, (cfg.train.batch_size, cfg.train.seq_len), generator=g).to(device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16), \
+                torch.set_grad_enabled(phase != "forward"):
             loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm or 1e9)
-        opt.step()
+        if phase != "forward":
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        if phase == "step":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm or 1e9)
+            opt.step()
         return loss.item()          # waits for the step (a GPU's too)
 
     return one, model
@@ -237,6 +242,60 @@ def profile_torch(cfg, steps: int, top: int) -> dict:
     return {"step_s": min(times[1:]), "traced_step_s": traced, "ops": ops, "kind": _torch_kind, "top": top}
 
 
+def _best(fn, n=3) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def phases(cfg) -> dict:
+    """Unprofiled seconds of the forward alone, forward + backward (no update) and the whole step, per side
+    (best of 3 after one untimed call): the JAX loss and gradients of `train.step` jitted on their own."""
+    import jax
+
+    from train import step
+    compiled, st, it, _, _ = jax_step(cfg)
+    b = next(it)
+    frozen = step.frozen_mask(cfg, st.params)
+
+    def loss(p, b):
+        mb, tg = step.micro(b, 0)
+        return step._micro_loss(step.compute_params(cfg, p, frozen), cfg, mb, tg)[0]
+
+    fwd = jax.jit(loss)
+    bwd = jax.jit(lambda p, b: step.grads_and_stats(cfg, p, b)[0])
+    out = {"jax": {}, "torch": {}}
+    for name, fn in (("forward", lambda: fwd(st.params, b)), ("backward", lambda: bwd(st.params, b))):
+        jax.block_until_ready(fn())
+        out["jax"][name] = _best(lambda: jax.block_until_ready(fn()))
+    holder = [st]
+
+    def whole():
+        holder[0], m = compiled(holder[0], b)
+        jax.block_until_ready(m)
+    whole()
+    out["jax"]["step"] = _best(whole)
+    one, _ = torch_step(cfg)
+    for name in ("forward", "backward", "step"):
+        one(name)
+        out["torch"][name] = _best(lambda: one(name))
+    return out
+
+
+def print_phases(r: dict) -> None:
+    print("| phase | prisma-jax (s) | transformers (s) | speed-up (transformers ÷ prisma-jax) |\n| --- | --- | --- | --- |")
+    prev = {"jax": 0.0, "torch": 0.0}
+    for name, label in (("forward", "forward"), ("backward", "+ backward"), ("step", "+ clip and AdamW")):
+        d = {k: r[k][name] - prev[k] for k in prev}
+        print(f"| {label} | {d['jax']:.2f} | {d['torch']:.2f} | {d['torch'] / d['jax']:.2f}× |")
+        prev = {k: r[k][name] for k in prev}
+    print(f"| the whole step | {r['jax']['step']:.2f} | {r['torch']['step']:.2f} | "
+          f"{r['torch']['step'] / r['jax']['step']:.2f}× |")
+
+
 def print_profile(side: str, r: dict) -> None:
     import collections
     kinds = collections.Counter()
@@ -270,6 +329,8 @@ def main(argv=None):
     from train.config import load_train_config
     cfg, _ = load_train_config(a.config, a.overrides)
     if a.profile:
+        if not a.skip_torch:
+            print_phases(phases(cfg))
         print_profile("prisma-jax (XLA:CPU ops)", profile_jax(cfg, a.steps, a.top))
         if not a.skip_torch:
             print_profile("transformers (aten ops, self time)", profile_torch(cfg, a.steps, a.top))
