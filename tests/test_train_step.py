@@ -6,6 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import yaml
 
@@ -15,7 +16,7 @@ from prisma_jax.inputs import prepare
 from prisma_jax.loading import load_hf
 from prisma_jax.params import init_params_numpy
 from train import step as S
-from train.config import config_from_raw
+from train.config import ConfigError, config_from_raw
 from train.data import Collate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +62,21 @@ def test_grad_accumulation_equals_one_big_batch():
     # the gradients of the step (what the optimizer sees), equal to float32 round-off of the summation order
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
         assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-5 * max(np.max(np.abs(np.asarray(a))), 1e-3)
+
+
+def test_unrolled_layers_equal_the_scanned_stack():
+    """train.unroll_layers (null: unrolled on CPU without remat) changes how the layers run, not what they
+    compute: a P = 2 step with images gives the scanned stack's loss and gradients; true with remat is refused."""
+    assert S.unrolled(make_cfg()) and not S.unrolled(make_cfg(remat="dots"))
+    cfgs = {u: make_cfg(unroll_layers=u) for u in (True, False)}
+    b = Collate(cfgs[True], 8)(samples())
+    params = init_params_numpy(cfgs[True].model, seed=0)
+    out = {u: jax.jit(lambda p, b, c=c: S.grads_and_stats(c, p, b))(params, b) for u, c in cfgs.items()}
+    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-6)
+    for a, c in zip(jax.tree.leaves(out[True][0]), jax.tree.leaves(out[False][0])):
+        assert np.max(np.abs(np.asarray(a) - np.asarray(c))) <= 1e-5 * max(np.max(np.abs(np.asarray(a))), 1e-3)
+    with pytest.raises(ConfigError, match="unroll_layers: true needs train.remat: none"):
+        make_cfg(unroll_layers=True, remat="full")
 
 
 def test_loss_falls_on_memorisation_set_and_frozen_groups_do_not_move():

@@ -47,6 +47,7 @@ class TrainSection:
     mesh: object = None                 # None: one device; a preset name or {data, fsdp, tensor} (→ MeshSpec)
     lora: object = None                 # None: full fine-tuning; {rank, alpha, targets, dropout} (→ LoraSpec)
     logits_chunk: int = 0               # tokens a chunk of the head + loss (train/step.py `head_xent`); 0 = whole S
+    unroll_layers: bool | None = None   # decoder layers unrolled, not scanned; null = on CPU without remat (step.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,10 @@ def _check(c: Config) -> Config:
          f"got {t.compute_dtype!r}")
     need(t.remat in REMAT_POLICIES, f"train.remat must be one of {REMAT_POLICIES}, got {t.remat!r}")
     need(t.logits_chunk >= 0, f"train.logits_chunk must be ≥ 0 (0 = no chunks), got {t.logits_chunk}")
+    need(t.unroll_layers in (None, True, False), f"train.unroll_layers must be true, false or null, "
+         f"got {t.unroll_layers!r}")
+    need(not (t.unroll_layers is True and t.remat != "none"),
+         f"train.unroll_layers: true needs train.remat: none (remat applies to the scanned layers), got {t.remat!r}")
     bad = [g for g in t.freeze if g not in FREEZE_GROUPS]
     need(not bad, f"train.freeze: unknown group(s) {bad}; groups are {FREEZE_GROUPS}")
     if t.mesh is not None:

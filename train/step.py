@@ -29,11 +29,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from prisma_jax.attention import platform
 from prisma_jax.lora import is_adapter
 from prisma_jax.model import Batch, bind
 from prisma_jax.params import TABLE_PATH, init_params
 from prisma_jax.quantize import refuse_training
 from prisma_jax.sharding import constrain
+from prisma_jax.text import unstack_layers
 from prisma_jax.uncertainty import codes_from_entropy, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
 
@@ -208,6 +210,23 @@ def micro(batch: TrainBatch, i) -> tuple[Batch, jax.Array]:
                   batch.geometry), batch.targets[i])
 
 
+def unrolled(cfg: Config) -> bool:
+    """`train.unroll_layers`, null resolved: unrolled when the step targets the CPU and nothing is rematerialised
+    (XLA:CPU runs the `bench_58m` step in 15 % less time with its layers unrolled, docs/benchmarks.md; a scan compiles
+    one layer, which TPU and GPU programs keep)."""
+    u = cfg.train.unroll_layers
+    return platform() == "cpu" and cfg.train.remat == "none" if u is None else u
+
+
+def _bind(cfg: Config, params: dict):
+    """The model on `params`, its decoder layers unrolled when `unrolled(cfg)` (text.py's two layouts compute
+    the same)."""
+    model = bind(cfg.model, params, cfg.train.lora)
+    if unrolled(cfg):
+        unstack_layers(model.text)
+    return model
+
+
 def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):
     """(the bound model, final hidden states [b, S, D] of the last introspection pass, the codes it was fed).
 
@@ -224,13 +243,13 @@ def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: 
         fixed = jax.lax.stop_gradient(params)
 
         def one_pass(c, _):
-            model = bind(m, fixed, cfg.train.lora)
+            model = _bind(cfg, fixed)
             h, _ = model.hidden(mb._replace(codes=c))
             ent = head_xent(model, h, targets, cfg.train.logits_chunk)[1]
             return shift_codes(mb.codes, codes_from_entropy(ent, m.text.vocab_size, m.n_bits), supervised,
                                mb.attention_mask), None
         codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)
-    model = bind(m, params, cfg.train.lora)
+    model = _bind(cfg, params)
     h, _ = model.hidden(mb._replace(codes=codes), remat_policy=remat_policy(remat))
     return model, h, codes
 
