@@ -15,7 +15,7 @@ sees a GPU; then it runs first and frees its memory before the JAX step, which h
 runs on JAX's default backend. On an accelerator the peak loop multiplies 8192² matrices.
 Prints one Markdown table row per side and a JSON line.
 `--profile` (CPU) instead first times each side's forward alone, forward + backward and the whole step
-(unprofiled, best of 3), then traces `--steps` steps of each side, after 3 untimed ones: the JAX step under
+(unprofiled, best of 3 after an untimed call), then traces `--steps` steps of each side: the JAX step under
 `jax.profiler` (each XLA:CPU op event is an HLO instruction: grouped into the matmuls — `dot`, or the YNNPACK
 fusions XLA:CPU builds around one —, copies and transposes, and the rest), transformers' under
 `torch.profiler` (self time by aten op), and prints each side's op kinds and largest ops beside its unprofiled
@@ -188,61 +188,9 @@ def _torch_kind(name: str) -> str:
     return "other ops"
 
 
-def profile_jax(cfg, steps: int, top: int) -> dict:
-    """`steps` steps under `jax.profiler` (a Perfetto trace); op events, named by HLO instruction, summed."""
-    import collections
-    import glob
-    import gzip
-    import tempfile
-
-    import jax
-    compiled, st, it, _, _ = jax_step(cfg)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        st, m = compiled(st, next(it))
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    batches = [next(it) for _ in range(steps)]
-    with tempfile.TemporaryDirectory(prefix="prisma_profile_") as out:
-        t = time.perf_counter()
-        with jax.profiler.trace(out, create_perfetto_trace=True):
-            for b in batches:
-                st, m = compiled(st, b)
-                jax.block_until_ready(m)
-        traced = (time.perf_counter() - t) / steps
-        with gzip.open(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)[0]) as f:
-            events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    ops = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and "dur" in e and name[:1].islower() and "." in name and " " not in name:
-            ops[name] += e["dur"] / 1e6 / steps
-    return {"step_s": min(times[1:]), "traced_step_s": traced, "ops": ops, "kind": _xla_kind, "top": top}
-
-
-def profile_torch(cfg, steps: int, top: int) -> dict:
-    """`steps` steps under `torch.profiler`, self CPU time by aten op."""
-    import collections
-
-    from torch.profiler import ProfilerActivity, profile
-    one, _ = torch_step(cfg)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        one()
-        times.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            one()
-        traced = (time.perf_counter() - t) / steps
-    ops = collections.Counter({e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()})
-    return {"step_s": min(times[1:]), "traced_step_s": traced, "ops": ops, "kind": _torch_kind, "top": top}
-
-
 def _best(fn, n=3) -> float:
+    """The shortest of `n` timed calls of `fn`, after one untimed call."""
+    fn()
     times = []
     for _ in range(n):
         t = time.perf_counter()
@@ -251,9 +199,15 @@ def _best(fn, n=3) -> float:
     return min(times)
 
 
-def phases(cfg) -> dict:
-    """Unprofiled seconds of the forward alone, forward + backward (no update) and the whole step, per side
-    (best of 3 after one untimed call): the JAX loss and gradients of `train.step` jitted on their own."""
+def profile_jax(cfg, steps: int, top: int) -> dict:
+    """The JAX side of `--profile`: unprofiled seconds of the loss alone, the gradients alone (`train.step`'s, each
+    jitted on its own) and the whole step (best of 3); then `steps` steps under `jax.profiler` (a Perfetto trace),
+    its op events, named by HLO instruction, summed."""
+    import collections
+    import glob
+    import gzip
+    import tempfile
+
     import jax
 
     from train import step
@@ -267,33 +221,60 @@ def phases(cfg) -> dict:
 
     fwd = jax.jit(loss)
     bwd = jax.jit(lambda p, b: step.grads_and_stats(cfg, p, b)[0])
-    out = {"jax": {}, "torch": {}}
-    for name, fn in (("forward", lambda: fwd(st.params, b)), ("backward", lambda: bwd(st.params, b))):
-        jax.block_until_ready(fn())
-        out["jax"][name] = _best(lambda: jax.block_until_ready(fn()))
     holder = [st]
 
-    def whole():
-        holder[0], m = compiled(holder[0], b)
+    def whole(batch=b):
+        holder[0], m = compiled(holder[0], batch)
         jax.block_until_ready(m)
-    whole()
-    out["jax"]["step"] = _best(whole)
+
+    phase = {"forward": _best(lambda: jax.block_until_ready(fwd(holder[0].params, b))),
+             "backward": _best(lambda: jax.block_until_ready(bwd(holder[0].params, b))),
+             "step": _best(whole)}
+    batches = [next(it) for _ in range(steps)]
+    with tempfile.TemporaryDirectory(prefix="prisma_profile_") as out:
+        t = time.perf_counter()
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            for batch in batches:
+                whole(batch)
+        traced = (time.perf_counter() - t) / steps
+        with gzip.open(glob.glob(os.path.join(out, "**", "*.trace.json.gz"), recursive=True)[0]) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and "dur" in e and name[:1].islower() and "." in name and " " not in name:
+            ops[name] += e["dur"] / 1e6 / steps
+    return {"phases": phase, "traced_step_s": traced, "ops": ops, "kind": _xla_kind, "top": top}
+
+
+def profile_torch(cfg, steps: int, top: int) -> dict:
+    """The torch side of `--profile`: unprofiled seconds of the forward under `no_grad`, forward + backward and the
+    whole step (best of 3); then `steps` steps under `torch.profiler`, self CPU time by aten op."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
     one, _ = torch_step(cfg)
-    for name in ("forward", "backward", "step"):
-        one(name)
-        out["torch"][name] = _best(lambda: one(name))
-    return out
+    phase = {name: _best(lambda name=name: one(name)) for name in ("forward", "backward", "step")}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            one()
+        traced = (time.perf_counter() - t) / steps
+    ops = collections.Counter({e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()})
+    return {"phases": phase, "traced_step_s": traced, "ops": ops, "kind": _torch_kind, "top": top}
 
 
-def print_phases(r: dict) -> None:
-    print("| phase | prisma-jax (s) | transformers (s) | speed-up (transformers ÷ prisma-jax) |\n| --- | --- | --- | --- |")
-    prev = {"jax": 0.0, "torch": 0.0}
+def print_phases(jax_r: dict, torch_r: dict) -> None:
+    j, t = jax_r["phases"], torch_r["phases"]
+    print("| phase | prisma-jax (s) | transformers (s) | speed-up (transformers ÷ prisma-jax) |\n"
+          "| --- | --- | --- | --- |")
+    prev_j = prev_t = 0.0
     for name, label in (("forward", "forward"), ("backward", "+ backward"), ("step", "+ clip and AdamW")):
-        d = {k: r[k][name] - prev[k] for k in prev}
-        print(f"| {label} | {d['jax']:.2f} | {d['torch']:.2f} | {d['torch'] / d['jax']:.2f}× |")
-        prev = {k: r[k][name] for k in prev}
-    print(f"| the whole step | {r['jax']['step']:.2f} | {r['torch']['step']:.2f} | "
-          f"{r['torch']['step'] / r['jax']['step']:.2f}× |")
+        dj, dt = j[name] - prev_j, t[name] - prev_t
+        print(f"| {label} | {dj:.2f} | {dt:.2f} | {dt / dj:.2f}× |")
+        prev_j, prev_t = j[name], t[name]
+    print(f"| the whole step | {j['step']:.2f} | {t['step']:.2f} | {t['step'] / j['step']:.2f}× |")
 
 
 def print_profile(side: str, r: dict) -> None:
@@ -301,7 +282,7 @@ def print_profile(side: str, r: dict) -> None:
     kinds = collections.Counter()
     for name, s in r["ops"].items():
         kinds[r["kind"](name)] += s
-    print(f"\n{side}: step {r['step_s']:.2f} s unprofiled, {r['traced_step_s']:.2f} s profiled")
+    print(f"\n{side}: step {r['phases']['step']:.2f} s unprofiled, {r['traced_step_s']:.2f} s profiled")
     print("| kind | s a profiled step | share |\n| --- | --- | --- |")
     for k, s in kinds.most_common():
         print(f"| {k} | {s:.2f} | {100 * s / r['traced_step_s']:.0f} % |")
@@ -329,11 +310,13 @@ def main(argv=None):
     from train.config import load_train_config
     cfg, _ = load_train_config(a.config, a.overrides)
     if a.profile:
-        if not a.skip_torch:
-            print_phases(phases(cfg))
-        print_profile("prisma-jax (XLA:CPU ops)", profile_jax(cfg, a.steps, a.top))
-        if not a.skip_torch:
-            print_profile("transformers (aten ops, self time)", profile_torch(cfg, a.steps, a.top))
+        jr = profile_jax(cfg, a.steps, a.top)
+        tr = None if a.skip_torch else profile_torch(cfg, a.steps, a.top)
+        if tr is not None:
+            print_phases(jr, tr)
+        print_profile("prisma-jax (XLA:CPU ops)", jr)
+        if tr is not None:
+            print_profile("transformers (aten ops, self time)", tr)
         return
     device = a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     tokens = cfg.train.batch_size * cfg.train.seq_len
