@@ -8,7 +8,12 @@ take, so one description serves every implementation:
 
 Segment 0 is padding (padded queries see only padded keys, so no row is empty and nothing is NaN); real tokens
 carry segment 1, or 1, 2, ... for the conversations packed into one training row. In a cached call the keys are
-the cache's slots and `causal_start` is the slot of query 0 (`write_pos`).
+the cache's slots and `causal_start` is the slot of query 0 (`write_pos`; `[B]`, each row's own, in a decode step
+of generate.py). A decode step whose rows hold their keys in slots `[0, kv_len)` says so with `Mask.kv_len`: the
+ragged form the paged decode kernel takes.
+
+`cached_attention(q, k_cache, v_cache, mask, impl)` attends over a KV cache in its own layout, `[B, KV, S, hd]`
+(text.py): per row and head, the slots are contiguous, so the paged kernel reads them as pages without a copy.
 
 Implementations (`ModelConfig.attention`: "auto" | "xla" | "pallas"; docs/design.md "Attention"):
 * "xla": the einsums below, scores `[B, KV, G, Sq, Sk]` in float32. What CPU runs under "auto" for fewer than
@@ -19,8 +24,11 @@ Implementations (`ModelConfig.attention`: "auto" | "xla" | "pallas"; docs/design
   prefill and the vision tower: segment ids for padding and packing, a static causal mask, GQA as one MQA
   kernel per key/value head, inside a `shard_map` over the batch and head axes of the active mesh. On
   another platform "pallas" runs the same kernel in Pallas interpret mode (what the tests compare with "xla").
-  A decode step (one query against a cache whose write slot is traced) runs "xla": it reads each cache slot
-  once either way. "auto" on TPU is "pallas".
+  A decode step over a bfloat16 cache with `Mask.kv_len` runs jax's paged attention kernel
+  (`jax.experimental.pallas.ops.tpu.paged_attention`): it reads each row's `kv_len` slots and no more. The
+  kernel computes with bfloat16 keys and values and takes head dims in whole lanes (128), so a float32 cache,
+  a head dim of another size and a step without `kv_len` (serve's slots, Tunix) run "xla".
+  "auto" on TPU is "pallas".
 * "auto" on GPU: `jax.nn.dot_product_attention` with cuDNN's fused kernel for bf16/fp16 (the mask as its bias),
   XLA's for float32 or where cuDNN refuses the shape.
 
@@ -42,12 +50,16 @@ IMPLS = ("auto", "xla", "pallas")
 BLOCK = 128          # splash tiles: sequences padded to a multiple (padding is segment 0)
 LANES = 128          # head dims padded to a multiple on the kernel path (zeros change no score, no output)
 BLOCKED_MIN = 256    # "auto" on CPU: queries from which the blocked path beats the einsums (docs/attention-cpu.md)
+PAGE_MULTIPLE = 16   # paged decode kernel: its pages are 16·k slots (bf16 tiles), so the cache length is too
+PAGE_MAX = 256       # its largest page, in slots
+BLOCK_SLOTS = 1024   # its largest block of keys per kernel step, in slots
 
 
 class Mask(NamedTuple):
     q_segment: jax.Array              # [B, Sq] int32, 0 = padding
     kv_segment: jax.Array             # [B, Sk] int32
-    causal_start: int | jax.Array | None = 0   # slot of query 0; None = bidirectional
+    causal_start: int | jax.Array | None = 0   # slot of query 0 ([] or [B]); None = bidirectional
+    kv_len: jax.Array | None = None   # [B] int32: each row's keys are exactly slots [0, kv_len) (a ragged cache)
 
     def dense(self) -> jax.Array:
         """[B, Sq, Sk] bool, True = may attend."""
@@ -55,8 +67,8 @@ class Mask(NamedTuple):
         if self.causal_start is None:
             return allowed
         sq, sk = self.q_segment.shape[1], self.kv_segment.shape[1]
-        q_slot = self.causal_start + jnp.arange(sq)
-        return allowed & (jnp.arange(sk)[None, :] <= q_slot[:, None])[None]
+        q_slot = jnp.reshape(self.causal_start, (-1, 1)) + jnp.arange(sq)            # [1 or B, Sq]
+        return allowed & (jnp.arange(sk) <= q_slot[:, :, None])
 
 
 def segments_in_order(row) -> np.ndarray:
@@ -86,8 +98,9 @@ def platform() -> str:
     return jax.default_backend()
 
 
-def resolve(impl: str, mask, n_query: int) -> str:
-    """The implementation that runs: "xla", "blocked", "splash" or "gpu"."""
+def resolve(impl: str, mask, n_query: int, cache: jax.Array | None = None) -> str:
+    """The implementation that runs: "xla", "blocked", "splash", "paged" or "gpu". `cache`: the keys of a
+    cached call, [B, KV, S, hd] (their dtype and head dim decide the decode kernel)."""
     if impl not in IMPLS:
         raise ValueError(f"attention must be one of {IMPLS}, got {impl!r}")
     if not isinstance(mask, Mask) or impl == "xla":
@@ -95,7 +108,11 @@ def resolve(impl: str, mask, n_query: int) -> str:
     decode = not isinstance(mask.causal_start, (int, type(None)))        # a traced write slot
     where = platform()
     if impl == "pallas" or where == "tpu":
-        return "xla" if decode else "splash"
+        if not decode:
+            return "splash"
+        paged = (n_query == 1 and mask.kv_len is not None and cache is not None and cache.dtype == jnp.bfloat16
+                 and cache.shape[2] % PAGE_MULTIPLE == 0 and cache.shape[3] % LANES == 0)
+        return "paged" if paged else "xla"
     if where == "gpu":
         return "gpu"
     return "blocked" if not decode and n_query >= BLOCKED_MIN else "xla"
@@ -119,15 +136,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, impl: str = "auto"
     return constrain(out, (batch_axis, "seq", "heads", None))
 
 
-def _xla(q, k, v, mask):
-    """Scores and softmax in float32; the weights cast back to v's dtype before the value product."""
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask, impl: str = "auto") -> jax.Array:
+    """`attention` with the keys and values of a cache in its layout, k/v_cache [B, KV, S, hd] → [B, Sq, H, hd]."""
+    how = resolve(impl, mask, q.shape[1], k_cache)
+    if how == "paged":
+        out = _paged(q, k_cache, v_cache, mask.kv_len)
+    elif how == "xla":
+        out = _xla(q, k_cache, v_cache, mask.dense() if isinstance(mask, Mask) else mask, kv_first=True)
+    else:
+        return attention(q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2), mask, impl)
+    return constrain(out, ("batch", "seq", "heads", None))
+
+
+def write_cache(cache: jax.Array, new: jax.Array, write_pos) -> jax.Array:
+    """new [B, s, KV, hd] into cache [B, KV, S, hd] at slots [write_pos, write_pos + s): `write_pos` one slot
+    for every row, or [B] each row's own."""
+    new = new.swapaxes(1, 2).astype(cache.dtype)
+    if jnp.ndim(write_pos) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, write_pos, axis=2)
+    return jax.vmap(lambda c, x, w: jax.lax.dynamic_update_slice_in_dim(c, x, w, axis=1))(cache, new, write_pos)
+
+
+def _xla(q, k, v, mask, kv_first: bool = False):
+    """Scores and softmax in float32; the weights cast back to v's dtype before the value product. k/v
+    [B, Sk, KV, hd], or [B, KV, Sk, hd] (a cache's layout) with `kv_first`."""
     b, sq, h, hd = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1 if kv_first else 2]
+    keys = "bksd" if kv_first else "bskd"
     q = q.reshape(b, sq, kv, h // kv, hd)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.einsum(f"bqkgd,{keys}->bkgqs", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", w, v).reshape(b, sq, h, hd)
+    return jnp.einsum(f"bkgqs,{keys}->bqkgd", w, v).reshape(b, sq, h, hd)
 
 
 def _gpu(q, k, v, mask):
@@ -203,3 +243,43 @@ def _splash(q, k, v, mask: Mask, batch_axis: str):
     out = local(q, k, v, qs, ks)
     return out[:, :sq, :, :, :hd].reshape(b, sq, h, hd)
 
+
+def _divisor(n: int, most: int, step: int = 1) -> int:
+    """The largest multiple of `step` that divides n and is ≤ most."""
+    return max(d for d in range(step, min(n, most) + 1, step) if n % d == 0)
+
+
+def _paged(q, k_cache, v_cache, kv_len):
+    """One query per row through jax's paged attention kernel, inside a shard_map over the batch and key/value
+    heads of the active mesh. Each (row, key/value head) is one of the kernel's sequences, an MQA over that
+    head's G query heads, its pages the row's slots of that head: `[B, KV, S, hd]` is the kernel's
+    `[1, B·KV·S/page, page, hd]` without a copy, and q `[B, 1, H, hd]` its `[B·KV, G, hd]`."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    b, _, h, hd = q.shape
+    kvh, s = k_cache.shape[1], k_cache.shape[2]
+    page = _divisor(s, PAGE_MAX, PAGE_MULTIPLE)
+    block = _divisor(s // page, BLOCK_SLOTS // page)
+    dtype = q.dtype
+    q = (q.astype(jnp.float32) * hd ** -0.5).reshape(b, kvh, h // kvh, hd)         # the kernel takes q in float32
+    interpret = platform() != "tpu"
+
+    def local(q, k, v, lengths):
+        rows, heads = k.shape[:2]
+        n = rows * heads
+        pages = jnp.arange(n * (s // page), dtype=jnp.int32).reshape(n, s // page)
+        as_pages = lambda c: c.reshape(1, n * (s // page), page, hd)                      # noqa: E731
+        run = functools.partial(paged_attention, q.reshape(n, -1, hd), as_pages(k), as_pages(v),
+                                jnp.repeat(lengths.astype(jnp.int32), heads), pages, pages_per_compute_block=block)
+        if interpret:
+            with pltpu.force_tpu_interpret_mode():
+                return run().reshape(q.shape)
+        return run().reshape(q.shape)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        spec = spec_for(k_cache.shape, ("batch", "kv_heads", None, None), mesh)
+        local = jax.shard_map(local, in_specs=(spec_for(q.shape, ("batch", "kv_heads", None, None), mesh), spec, spec,
+                                               spec_for(kv_len.shape, ("batch",), mesh)),
+                              out_specs=spec_for(q.shape, ("batch", "kv_heads", None, None), mesh), check_vma=False)
+    return local(q, k_cache, v_cache, kv_len).reshape(b, 1, h, hd).astype(dtype)

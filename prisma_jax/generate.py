@@ -9,8 +9,10 @@ injected with that token at the next position (§3, §4's decode rule). The prom
 
 Shapes are bucketed so that few programs serve many requests: prompts are left-padded to a power of two
 (≥ `prompt_floor`) and the output buffers to a power of two ≥ max_new_tokens (≥ `new_floor`); max_new_tokens
-itself is data. The cache has prompt_bucket + new_bucket slots; prompt tokens sit in slots [0, P), the token
-generated at step t (0-based) enters at slot P + t.
+itself is data. The cache has prompt_bucket + new_bucket slots. The prompt pass writes the left-padded prompt to
+slots [0, P); `prefill` then shifts each row left over its padding, so that a row with n prompt tokens holds
+them in slots [0, n) and the token generated at step t (0-based) enters at slot n + t: every row's keys are
+slots [0, kv_len), the ragged form of attention.py's paged decode kernel.
 
 Abstention (`abstain_above=τ`, docs/generation.md#abstention): a row whose emitted token was drawn from a
 distribution with code > τ — `codes[t]`, the code that token carries into the next step (§4, §5) — is done at
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import model as M
+from .attention import Mask
 from .config import ModelConfig
 from .inputs import prepare
 from .sampling import SamplingParams, UncertaintyTemperature, check_sampling, greedy, sample
@@ -42,11 +45,12 @@ from .uncertainty import NONE, codes_from_entropy, entropy
 
 
 class DecodeState(NamedTuple):
-    cache: dict              # {"k", "v"}: [layers, B, P + T, KV, hd]
-    key_valid: jax.Array     # [B, P + T] bool: slots holding real tokens
+    cache: dict              # {"k", "v"}: [layers, B, KV, P + T, hd]
+    key_valid: jax.Array     # [B, P + T] bool: slots holding real tokens (each row's first ones)
     token: jax.Array         # [B] int32: last token, the next step's input
     code: jax.Array          # [B] uint16: code of the distribution `token` was drawn from = its incoming code
     position: jax.Array      # [B] int32: M-RoPE position of `token` (text position + rope delta, all 3 axes)
+    write: jax.Array         # [B] int32: the cache slot `token` goes to
     step: jax.Array          # [] int32: tokens generated so far
     rng: jax.Array           # PRNG key
     done: jax.Array          # [B] bool: row has emitted an end token (or abstained)
@@ -144,7 +148,7 @@ def prompt_pass(cfg: ModelConfig, params: dict, batch: M.Batch, t: int):
     b, p = batch.input_ids.shape
     tc = cfg.text
     dtype = params["text"]["embed"]["embedding"].dtype
-    shape = (tc.num_hidden_layers, b, p + t, tc.num_key_value_heads, tc.head_dim)
+    shape = (tc.num_hidden_layers, b, tc.num_key_value_heads, p + t, tc.head_dim)
     cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     key_valid = jnp.concatenate([batch.attention_mask, jnp.zeros((b, t), bool)], axis=1)
     model = M.bind(cfg, params)
@@ -160,9 +164,13 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
             eos, pad_id, rng, abstain_above=None) -> DecodeState:
     """Whole prompt [B, P] (vision included) into a fresh cache of P + T slots; draws the first token.
     `abstain_above`: τ as an int32 scalar when `spec.abstain` (else unused)."""
-    b = batch.input_ids.shape[0]
+    b, p = batch.input_ids.shape
     t = spec.new_bucket
     cache, key_valid, logits, prev = prompt_pass(cfg, params, batch, t)
+    n = batch.attention_mask.astype(jnp.int32).sum(1)                         # each row's prompt tokens
+    from_slot = (jnp.arange(p + t) + (p - n)[:, None]) % (p + t)                # [B, P + T]: shift left by the padding
+    key_valid = jnp.take_along_axis(key_valid, from_slot, axis=1)
+    cache = jax.tree.map(lambda c: jnp.take_along_axis(c, from_slot[None, :, None, :, None], axis=3), cache)
     rng, key = jax.random.split(rng)
     tok, code, ent = _choose(cfg, spec, logits, prev, sp, key)
     done, step = _abstain(spec, jnp.isin(tok, eos), code, jnp.ones((b,), bool), abstain_above, jnp.int32(0),
@@ -171,7 +179,7 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     z = logits.astype(jnp.float32)
     kept = put(jnp.zeros((b, t, z.shape[-1]), jnp.float32), z) if spec.keep_logits else None
     lp = put(jnp.zeros((b, t), jnp.float32), _token_logprob(z, tok)) if spec.keep_logprobs else None
-    return DecodeState(cache, key_valid, tok, code, next_pos.astype(jnp.int32), jnp.int32(1), rng, done,
+    return DecodeState(cache, key_valid, tok, code, next_pos.astype(jnp.int32), n, jnp.int32(1), rng, done,
                        jnp.ones((b,), jnp.int32),
                        put(jnp.full((b, t), pad_id, jnp.int32), tok), put(jnp.zeros((b, t), jnp.uint16), code),
                        put(jnp.zeros((b, t), jnp.float32), ent), kept, step, lp)
@@ -182,20 +190,19 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
            max_new, abstain_above=None) -> DecodeState:
     """Steps until every row is done (an end token, or with `spec.abstain` a code above `abstain_above`) or
     `max_new` tokens are out; one compiled `lax.while_loop`."""
-    b, t = state.tokens.shape
-    p = state.key_valid.shape[1] - t
+    b = state.tokens.shape[0]
     model = M.bind(cfg, params)
 
     def cond(s: DecodeState):
         return (s.step < max_new) & ~jnp.all(s.done)
 
     def body(s: DecodeState) -> DecodeState:
-        slot = p + s.step - 1                                                     # where `token` goes
-        key_valid = jax.lax.dynamic_update_slice(s.key_valid, jnp.ones((b, 1), bool), (0, slot))
+        key_valid = s.key_valid | (jnp.arange(s.key_valid.shape[1]) == s.write[:, None])
+        mask = Mask(jnp.ones((b, 1), jnp.int32), key_valid.astype(jnp.int32), s.write, s.write + 1)
         codes_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((b,), NONE, jnp.int32)
         step_in = M.Batch(s.token[:, None], jnp.ones((b, 1), bool), codes_in[:, None],
                           jnp.broadcast_to(s.position[None, :, None], (3, b, 1)))
-        h, cache = model.hidden(step_in, s.cache, slot, key_valid)
+        h, cache = model.hidden(step_in, s.cache, s.write, mask=mask)
         logits = model.head(h[:, 0])
         rng, key = jax.random.split(s.rng)
         tok, code, ent = _choose(cfg, spec, logits, s.code, sp, key)
@@ -210,7 +217,7 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
         done, step = _abstain(spec, s.done | jnp.isin(tok, eos), code, live, abstain_above, s.step,
                               s.abstain_step)
         lp = None if s.logprobs is None else put(s.logprobs, jnp.where(live, _token_logprob(z, tok), 0.0))
-        return DecodeState(cache, key_valid, tok, code, s.position + 1, s.step + 1, rng,
+        return DecodeState(cache, key_valid, tok, code, s.position + 1, s.write + 1, s.step + 1, rng,
                            done, s.lengths + live.astype(jnp.int32),
                            put(s.tokens, tok), put(s.codes, code), put(s.entropies, jnp.where(live, ent, 0.0)),
                            kept, step, lp)

@@ -15,7 +15,8 @@ plans PLAN_IMAGES image a row of PLAN_IMAGE_SIZE²); the decode program is gener
 `lax.while_loop` `generate` runs, greedy) on the state generate.py's `prefill` returns. `--quantize int8`
 plans that decode program on the int8 params (quantize.py) and no training step (they cannot be trained).
 Each program's line "attention:" names the kernels its lowered program holds (`pallas (splash)` when it calls
-splash attention's Pallas kernels, else `xla`) and the `model.attention` asked for (`--attention`).
+splash attention's Pallas kernels, `pallas (paged)` for the decode kernel, else `xla`) and the
+`model.attention` asked for (`--attention`).
 """
 from __future__ import annotations
 
@@ -347,8 +348,10 @@ def pallas_kernels(lowered_text: str) -> list[str]:
 
 
 def attention_used(kernels: list[str]) -> str:
-    """The attention implementation a program runs, from its Pallas kernels: "pallas (splash)" or "xla"."""
-    return "pallas (splash)" if any(k.startswith("splash") for k in kernels) else "xla"
+    """The attention implementation a program runs, from its Pallas kernels: "pallas (splash)", "pallas (paged)"
+    (jax's paged decode kernel, attention.py) or "xla"."""
+    used = [name for name in ("splash", "paged") if any(k.startswith(name) for k in kernels)]
+    return f"pallas ({', '.join(used)})" if used else "xla"
 
 
 def plan_train(tcfg, p: Preset, devices) -> dict:
@@ -473,7 +476,7 @@ def format_decode(r: dict, p: Preset, cfg: ModelConfig) -> str:
              + (f", {r['quantize']} kernels" if r.get("quantize") else ""),
              f"  per device: weights {_gib(r['weights'])}, arguments {_gib(m.arguments)}, temporaries "
              f"{_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}",
-             f"  attention: {r['attention']} (model.attention={cfg.attention}; a decode step runs XLA)"]
+             f"  attention: {r['attention']} (model.attention={cfg.attention})"]
     if "kv_budget_tokens" in r:
         lines.append(f"  KV-cache budget: {r['kv_budget_tokens']:,} tokens (batch × length) over the mesh")
     bad = r["bad_gathers"]
@@ -541,8 +544,8 @@ def add_parser(sub):
     ap.add_argument("--attention", choices=("auto", "xla", "pallas"),
                     help="attention kernels of the planned programs (model.attention; default: the YAML's, else "
                          "auto): auto and pallas = splash attention's Pallas kernels for training and prefill on "
-                         "TPU, xla = the einsum path; a decode step runs XLA either way. Each program prints the "
-                         "one it used ('attention: pallas (splash)')")
+                         "TPU, and the paged decode kernel for bf16 caches of head dim 128·k; xla = the einsum path. "
+                         "Each program prints the one it used ('attention: pallas (splash)')")
     ap.add_argument("--search", action="store_true", help="find the largest training batch that fits")
     ap.add_argument("--no-train", action="store_true", help="only the decode loop")
     ap.add_argument("--no-decode", action="store_true", help="only the training step")

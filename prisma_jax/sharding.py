@@ -57,8 +57,8 @@ LOGICAL_RULES: dict[str, object] = {
     "levels": "tensor",          # uncertainty-table rows (2**n_bits)
 }
 
-# The KV cache {"k", "v"}: [layers, B, S_max, KV, hd] (text.decoder).
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", None)
+# The KV cache {"k", "v"}: [layers, B, KV, S_max, hd] (text.py).
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", None)
 
 
 # ------------------------------------------------------------------------------------------------ meshes

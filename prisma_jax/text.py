@@ -2,8 +2,9 @@
 
 `TextModel` holds the token embedding, the decoder layers stacked on a leading axis (`layers.stacked`) and the
 final norm. One call serves a full forward, a prefill that fills a KV cache, and a cached decode step: the
-cache is `{"k", "v"}: [layers, B, S_max, KV, hd]`, scanned alongside the split layer state by one `lax.scan`
-(compile time flat in depth), and new keys/values are written at slot `write_pos`. Which keys a query may see
+cache is `{"k", "v"}: [layers, B, KV, S_max, hd]` (each row's and head's slots contiguous: the paged decode
+kernel's pages, attention.py), scanned alongside the split layer state by one `lax.scan` (compile time flat in
+depth), and new keys/values are written at slot `write_pos` (one for every row, or `[B]` each row's own). Which keys a query may see
 is the caller's `attention.Mask` (or a dense `[B, S_q, S_k]` one); `attention` names the implementation
 (prisma_jax/attention.py).
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import TextConfig
-from .attention import attention
+from .attention import attention, cached_attention, write_cache
 from .layers import Dense, Embed, RMSNorm, apply_rope, layer_slices, stacked, unstack
 from .lora import adapter
 from .sharding import CACHE_AXES, constrain
@@ -62,11 +63,12 @@ class TextAttention(nnx.Module):
         v = self.v_proj(h).reshape(b, s, cfg.num_key_value_heads, cfg.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
-        if k_cache is not None:
-            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), write_pos, axis=1)
-            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), write_pos, axis=1)
-            k, v = k_cache.astype(h.dtype), v_cache.astype(h.dtype)
-        return self.o_proj(attention(q, k, v, mask, self.impl).reshape(b, s, -1)), k_cache, v_cache
+        if k_cache is None:
+            out = attention(q, k, v, mask, self.impl)
+        else:
+            k_cache, v_cache = write_cache(k_cache, k, write_pos), write_cache(v_cache, v, write_pos)
+            out = cached_attention(q, k_cache.astype(h.dtype), v_cache.astype(h.dtype), mask, self.impl)
+        return self.o_proj(out.reshape(b, s, -1)), k_cache, v_cache
 
 
 class TextMLP(nnx.Module):

@@ -16,7 +16,7 @@ attention_mask [B, S, S_k]) -> (logits [B, S, V] float32, cache)` (`images=` too
 
 The math is `model.PrismaVLModule`'s (`embed` → `hidden` with Tunix's mask → `head`); this file only translates:
 
-- **The code rides in the cache.** The cache is `{"layer_i": {"k", "v"} [B, S_max, KV, hd], "prisma": {"end_index",
+- **The code rides in the cache.** The cache is `{"layer_i": {"k", "v"} [B, KV, S_max, hd], "prisma": {"end_index",
   "code", "delta"} [B]}`, every leaf batch-major as Tunix's own caches are (its beam search repeats and gathers
   leaves on axis 0). Each call stores `code(logits[:, -1])` (docs/introspection-contract.md §2) in the cache
   it returns, and the next call feeds it with its first token: the token the Sampler drew from those logits
@@ -153,7 +153,7 @@ class PrismaTunix(nnx.Module):
     def init_cache(self, batch_size: int, cache_size: int, dtype=None) -> dict:
         c = self.config
         dtype = c.dtype if dtype is None else dtype
-        shape = (batch_size, cache_size, c.num_kv_heads, c.head_dim)
+        shape = (batch_size, c.num_kv_heads, cache_size, c.head_dim)
         cache = {f"layer_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
                  for i in range(c.num_layers)}
         cache["prisma"] = {"end_index": jnp.zeros((batch_size,), jnp.int32),     # distinct buffers: the Sampler

@@ -261,7 +261,7 @@ def multihost_loop(tcfg, d: str) -> dict:
 def scenario_tpu(out: str) -> None:
     from prisma_jax.config import load_config
     from prisma_jax.plan import (abstract_train_batch, all_gathers, bytes_per_device, forbidden_gathers, lower_decode,
-                                 lower_train, memory, plan_devices, train_config)
+                                 lower_train, memory, pallas_kernels, plan_devices, train_config)
     from prisma_jax.sharding import PRESETS, make_mesh, preset
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
@@ -277,6 +277,14 @@ def scenario_tpu(out: str) -> None:
            "forbidden": [[d, list(s)] for d, s in forbidden_gathers(hlo, cfg, 4)],
            "hlo_has_tpu_layout": ":T(" in hlo, "hlo_has_while": " while(" in hlo,
            "topology_devices": topology_devices}
+    # the decode loop at head dim 128 (bf16 cache): the paged decode kernel under "auto", compiled; none under "xla"
+    import dataclasses
+    wide = cfg.replace(text=dataclasses.replace(cfg.text, head_dim=128, mrope_section=(24, 20, 20)))
+    res["decode_kernels"] = {}
+    for impl in ("auto", "xla"):
+        lowered = lower_decode(wide.replace(attention=impl), mesh, batch=4, cache_len=64)
+        lowered.compile()
+        res["decode_kernels"][impl] = pallas_kernels(lowered.as_text())
     # the planned training step with and without image slots: what the slots add per device
     tmesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, devices)
     yaml = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -2,7 +2,8 @@
 topology, from this CPU machine: generate.py's decode loop compiles for TPU and its HLO all-gathers no table
 and no `[B, V]` logits (the TPU partitioner is the one that matters); the planned training step carries its
 image slots, whose pixels the compiler counts in every device's arguments; with `attention: auto` the TPU compiler
-accepts the training step with splash attention's Pallas kernels, and `prisma plan` says so."""
+accepts the training step with splash attention's Pallas kernels and the decode loop with the paged decode kernel,
+and `prisma plan` says so."""
 import json
 import math
 import os
@@ -23,6 +24,10 @@ def test_tiny_decode_step_compiles_for_tpu_without_table_gathers(tmp_path):
         r = json.load(f)
     assert r["platform"] == "tpu" and r["n_devices"] == 4 and r["hlo_has_tpu_layout"]
     assert r["forbidden"] == [] and r["hlo_has_while"]       # the whole `lax.while_loop`, not one step
+    # with head dim 128 the TPU compiler accepts the decode loop with jax's paged decode kernel (sharded over
+    # fsdp × tensor), which "xla" does not call
+    assert [k.split("_inline")[0] for k in r["decode_kernels"]["auto"]] == ["paged_flash_attention_kernel"]
+    assert r["decode_kernels"]["xla"] == []
     # every TPU preset's abstract topology has the preset's device count (v4: megacore chips, one device each)
     from prisma_jax.sharding import PRESETS
     assert r["topology_devices"] == {p.name: p.n_devices for p in PRESETS.values() if p.topology}
@@ -55,7 +60,7 @@ def test_plan_tiny_uses_splash_kernels_on_tpu_and_says_so():
     train, decode = p.stdout.split("decode loop")
     assert "GiB of 95 GiB: fits" in train and "GiB of 95 GiB: fits" in decode
     assert "  attention: pallas (splash) (model.attention=auto)\n" in train
-    assert "  attention: xla (model.attention=auto; a decode step runs XLA)\n" in decode
+    assert "  attention: xla (model.attention=auto)\n" in decode                 # head_dim 32: no decode kernel
 
     script = ("import json; from prisma_jax.plan import *; from prisma_jax.sharding import make_mesh, preset\n"
               "mesh = make_mesh(preset('v5p-8').train, plan_devices(preset('v5p-8')))\n"

@@ -7,8 +7,8 @@
 
 Each slot is one row of a dense KV cache of `max_len` entries. A request is prefilled alone by generate.py's
 `prompt_pass` (its prompt bucket, vision included; one program per bucket, whatever max_new is) and its cache
-copied into a free row with the layout `generate.prefill` gives it: the left-padded prompt bucket P in entries
-[0, P), the token generated at step t at entry P + t; when P + max_new would not fit in `max_len`, the row is
+copied into a free row as `prompt_pass` leaves it: the left-padded prompt bucket P in entries [0, P), the
+token generated at step t at entry P + t (the left padding stays: slots decode through "xla", attention.py); when P + max_new would not fit in `max_len`, the row is
 shifted left over the prompt's padding (`shift`). From then on every slot carries what `generate.DecodeState`
 carries per row — last token, the uint16 code of the distribution it was drawn from (docs/introspection-contract.md
 §4), M-RoPE position, PRNG key, done flag, count — plus what `generate` keeps per call and a slot must keep per row:
@@ -49,7 +49,7 @@ class ServeSpec(NamedTuple):
 
 
 class Slots(NamedTuple):
-    cache: dict              # {"k", "v"}: [layers, S, M, KV, hd], or tuples of per-layer [S, M, KV, hd] (unrolled)
+    cache: dict              # {"k", "v"}: [layers, S, KV, M, hd], or tuples of per-layer [S, KV, M, hd] (unrolled)
     key_valid: jax.Array     # [S, M] bool
     token: jax.Array         # [S] int32 last token, the next step's input
     code: jax.Array          # [S] uint16 code of the distribution `token` was drawn from
@@ -83,7 +83,7 @@ def _row_axis(spec: ServeSpec) -> int:
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def init_slots(cfg: ModelConfig, spec: ServeSpec, n_slots: int, max_len: int, dtype) -> Slots:
     tc = cfg.text
-    row = (n_slots, max_len, tc.num_key_value_heads, tc.head_dim)
+    row = (n_slots, tc.num_key_value_heads, max_len, tc.head_dim)
     if spec.unroll_layers:
         cache = {n: tuple(jnp.zeros(row, dtype) for _ in range(tc.num_hidden_layers)) for n in ("k", "v")}
     else:
@@ -150,11 +150,11 @@ def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batc
         return jax.lax.dynamic_slice_in_dim(jnp.concatenate([src, pad], axis), shift, c, axis)
 
     if spec.unroll_layers:
-        new = {n: tuple(jax.lax.dynamic_update_slice(full, entries(cache[n][layer], 1).astype(full.dtype),
+        new = {n: tuple(jax.lax.dynamic_update_slice(full, entries(cache[n][layer], 2).astype(full.dtype),
                                                      (i, 0, 0, 0))
                         for layer, full in enumerate(slots.cache[n])) for n in ("k", "v")}
     else:
-        new = {n: jax.lax.dynamic_update_slice(slots.cache[n], entries(cache[n], 2).astype(slots.cache[n].dtype),
+        new = {n: jax.lax.dynamic_update_slice(slots.cache[n], entries(cache[n], 3).astype(slots.cache[n].dtype),
                                                (0, i, 0, 0, 0)) for n in ("k", "v")}
     row_valid = jax.lax.dynamic_slice_in_dim(jnp.concatenate([key_valid[0], jnp.zeros((m,), bool)]), shift, m)
     put = lambda a, x: a.at[i].set(x)                                                         # noqa: E731
@@ -191,7 +191,7 @@ def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict
     model = M.bind(cfg, params)
     if spec.unroll_layers:
         unstack_layers(model.text, layer_params=layer_params)
-    ax = _row_axis(spec) + 1                                        # the cache's entry axis
+    ax = _row_axis(spec) + 2                                        # the cache's entry axis
     m = slots.key_valid.shape[1]
     cut = (lambda a: jax.lax.slice_in_dim(a, 0, window, axis=ax)) if window < m else (lambda a: a)  # noqa: E731
     s = slots._replace(cache=jax.tree.map(cut, slots.cache), key_valid=slots.key_valid[:, :window])
