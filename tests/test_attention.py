@@ -227,19 +227,30 @@ def test_decode_loop_with_pallas_equals_xla(monkeypatch):
                                atol=1e-6)
 
 
+def count_paged_calls(monkeypatch) -> list:
+    calls = []
+    real = A._paged
+    monkeypatch.setattr(A, "_paged", lambda q, *a: calls.append(q.shape) or real(q, *a))
+    return calls
+
+
+def bf16_model_and_prompts():
+    """The tiny model at head dim 128 in bf16 (what the decode kernel takes), and three prompts of 12, 8 and 3
+    tokens, left-padded."""
+    cfg = PrismaVL.from_config("configs/tiny.yaml").config
+    cfg = cfg.replace(text=dataclasses.replace(cfg.text, head_dim=128, mrope_section=(24, 20, 20)))
+    ids = np.random.default_rng(2).integers(10, 128, (3, 12))
+    mask = np.ones_like(ids)
+    mask[1, :4] = mask[2, :9] = 0
+    return PrismaVL.from_config(cfg, seed=0, dtype="bfloat16"), ids, mask
+
+
 def test_bf16_decode_loop_with_paged_kernel_equals_xla(monkeypatch):
     """bf16, head dim 128: prefill by splash, every decode step by the paged kernel, on rows with 12, 8 and 3
     prompt tokens. The same greedy tokens over 20 steps; the step logits within 1.6e-2 of the largest (measured
     8.0e-3: 4.2e-3 / 0.53), entropies within 1e-4 nats (measured 4.7e-5)."""
-    paged = []
-    real = A._paged
-    monkeypatch.setattr(A, "_paged", lambda q, *a: paged.append(q.shape) or real(q, *a))
-    cfg = PrismaVL.from_config("configs/tiny.yaml").config
-    cfg = cfg.replace(text=dataclasses.replace(cfg.text, head_dim=128, mrope_section=(24, 20, 20)))
-    base = PrismaVL.from_config(cfg, seed=0, dtype="bfloat16")
-    ids = np.random.default_rng(2).integers(10, 128, (3, 12))
-    mask = np.ones_like(ids)
-    mask[1, :4] = mask[2, :9] = 0
+    paged = count_paged_calls(monkeypatch)
+    base, ids, mask = bf16_model_and_prompts()
     res = {}
     for impl in ("xla", "pallas"):
         m = PrismaVL(base.config.replace(attention=impl), base.params)
@@ -249,6 +260,27 @@ def test_bf16_decode_loop_with_paged_kernel_equals_xla(monkeypatch):
     np.testing.assert_array_equal(p.tokens, x.tokens)
     assert np.abs(p.logits - x.logits).max() < 1.6e-2 * np.abs(x.logits).max()
     np.testing.assert_allclose(p.entropies, x.entropies, atol=1e-4)
+
+
+def test_serve_slots_decode_with_the_paged_kernel(monkeypatch):
+    """The serve engine's rounds (`serve.slots.advance`) under `attention: pallas` call the paged kernel on every
+    slot at once, and each request's greedy tokens are those `generate` gives it alone with the same kernel."""
+    from prisma_jax.serve.engine import Engine, Tokens
+    paged = count_paged_calls(monkeypatch)
+    base, ids, mask = bf16_model_and_prompts()
+    model = PrismaVL(base.config.replace(attention="pallas"), base.params)
+    got = {i: [] for i in range(3)}
+    engine = Engine(model, slots=4, max_len=64, steps=4).start()
+    try:
+        for i in range(3):
+            plan = engine.check(ids[i][mask[i] > 0], max_new_tokens=10)
+            engine.submit(plan, lambda ev, i=i: got[i].extend(ev.ids) if isinstance(ev, Tokens) else got[i].append(ev))
+    finally:
+        engine.stop(120)
+    assert any(q[0] == 4 for q in paged)                              # the 4 slots' rounds
+    for i in range(3):
+        want = model.generate(ids[i][mask[i] > 0], max_new_tokens=10).tokens[0]
+        assert got[i] == [int(t) for t in want], i
 
 
 def test_kernels_on_a_mesh_equal_xla():

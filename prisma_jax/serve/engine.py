@@ -172,7 +172,7 @@ class Engine:
             raise ValueError(f"top_logprobs must be in [0, {S.MAX_TOP_LOGPROBS}], got {top_logprobs}")
         req = _Request(plan, int(top_logprobs), sink)
         p = plan.batch.input_ids.shape[1]
-        req.shift = max(0, p + int(plan.max_new) - self.max_len)      # ≤ the prompt's padding (check)
+        req.shift = p - int(np.asarray(plan.batch.attention_mask)[0].sum())   # the prompt's left padding
         with self._cv:
             if self._closing:
                 raise Closed("the server is shutting down")

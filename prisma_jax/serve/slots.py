@@ -7,16 +7,16 @@
 
 Each slot is one row of a dense KV cache of `max_len` entries. A request is prefilled alone by generate.py's
 `prompt_pass` (its prompt bucket, vision included; one program per bucket, whatever max_new is) and its cache
-copied into a free row as `prompt_pass` leaves it: the left-padded prompt bucket P in entries [0, P), the
-token generated at step t at entry P + t (the left padding stays: slots decode through "xla", attention.py); when P + max_new would not fit in `max_len`, the row is
-shifted left over the prompt's padding (`shift`). From then on every slot carries what `generate.DecodeState`
+copied into a free row without the prompt's left padding (`shift`): its n prompt tokens in entries [0, n), the
+token generated at step t at entry n + t — generate.py's layout, each row's keys its first entries, which TPU's
+paged decode kernel reads as they are (attention.py). From then on every slot carries what `generate.DecodeState`
 carries per row — last token, the uint16 code of the distribution it was drawn from (docs/introspection-contract.md
 §4), M-RoPE position, PRNG key, done flag, count — plus what `generate` keeps per call and a slot must keep per row:
 its cache entry (`write`), `max_new`, sampling parameters and end ids. All are data: requests come and go
 without recompiling.
 
-`advance` runs the model once per step on all slots, each row at its own cache entry (the cached forward,
-`model.hidden`, vmapped over rows), over the first `window` entries of the cache only (a static power of two
+`advance` runs the model once per step on all slots, each row at its own cache entry (the cached forward of
+`generate.decode`'s steps), over the first `window` entries of the cache only (a static power of two
 covering every live row: short requests do not pay for `max_len`). Rows that are done or free compute and
 are ignored; a row's outputs stop at its end token or at `max_new`.
 
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from .. import generate as G
 from .. import model as M
+from ..attention import Mask
 from ..config import ModelConfig
 from ..sampling import SamplingParams, UncertaintyTemperature, sample
 from ..text import unstack_layers
@@ -166,22 +167,6 @@ def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batc
     return slots, Emitted(*(x[:, None] for x in out), jnp.ones((1, 1), bool))
 
 
-def _hidden_rows(model, spec: ServeSpec, token, code_in, position, write, key_valid, cache):
-    """One cached decode step of every row, each at its own cache entry `write`: `model.hidden` on a batch
-    of one, vmapped over the rows. Returns the final hidden [S, D] and the cache."""
-    ax = _row_axis(spec)
-
-    def one(tok, c_in, pos, w, kv, rows):
-        batch = M.Batch(tok[None, None], jnp.ones((1, 1), bool), c_in[None, None],
-                        jnp.broadcast_to(pos, (3, 1, 1)))
-        rows = jax.tree.map(lambda a: jnp.expand_dims(a, ax), rows)
-        h, rows = model.hidden(batch, rows, w, kv[None])
-        return h[0, 0], jax.tree.map(lambda a: jnp.squeeze(a, ax), rows)
-
-    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, ax), out_axes=(0, ax))(token, code_in, position, write,
-                                                                         key_valid, cache)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
 def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict, layer_params, slots: Slots
             ) -> tuple[Slots, Emitted]:
@@ -202,9 +187,12 @@ def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict
         live = ~s.done
         key_valid = s.key_valid.at[rows, jnp.where(live, s.write, window)].set(True, mode="drop")
         code_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((n,), -1, jnp.int32)
-        h, cache = _hidden_rows(model, spec, s.token, code_in, s.position, jnp.minimum(s.write, window - 1),
-                                key_valid, s.cache)
-        logits = model.head(h)
+        write = jnp.minimum(s.write, window - 1)
+        step_in = M.Batch(s.token[:, None], jnp.ones((n, 1), bool), code_in[:, None],
+                          jnp.broadcast_to(s.position[None, :, None], (3, n, 1)))
+        mask = Mask(jnp.ones((n, 1), jnp.int32), key_valid.astype(jnp.int32), write, write + 1)
+        h, cache = model.hidden(step_in, s.cache, write, mask=mask)
+        logits = model.head(h[:, 0])
         split = jax.vmap(jax.random.split)(s.rng)
         tok, code, ent, lp, top_ids, top_lp = _choose(cfg, spec, logits, s.code, s.sp, s.greedy, split[:, 1], live)
         tok = jnp.where(live, tok, s.pad)
