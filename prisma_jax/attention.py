@@ -30,7 +30,8 @@ Implementations (`ModelConfig.attention`: "auto" | "xla" | "pallas"; docs/design
   a head dim of another size and a step without `kv_len` (serve's slots, Tunix) run "xla".
   "auto" on TPU is "pallas".
 * "auto" on GPU: `jax.nn.dot_product_attention` with cuDNN's fused kernel for bf16/fp16 (the mask as its bias),
-  XLA's for float32 or where cuDNN refuses the shape.
+  XLA's for float32 or where cuDNN refuses the shape; a decode step runs "xla" (one query: the einsums read the
+  cache in its own layout, where those kernels would take a transposed copy of it).
 
 A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) always runs "xla".
 """
@@ -114,7 +115,7 @@ def resolve(impl: str, mask, n_query: int, cache: jax.Array | None = None) -> st
                  and cache.shape[2] % PAGE_MULTIPLE == 0 and cache.shape[3] % LANES == 0)
         return "paged" if paged else "xla"
     if where == "gpu":
-        return "gpu"
+        return "xla" if decode else "gpu"             # a decode step reads the cache in its layout, no transpose
     return "blocked" if not decode and n_query >= BLOCKED_MIN else "xla"
 
 

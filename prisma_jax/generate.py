@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import model as M
-from .attention import Mask
+from .attention import Mask, platform
 from .config import ModelConfig
 from .inputs import prepare
 from .sampling import SamplingParams, UncertaintyTemperature, check_sampling, greedy, sample
@@ -185,6 +185,18 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
                        put(jnp.zeros((b, t), jnp.float32), ent), kept, step, lp)
 
 
+def cached_step(model: M.PrismaVLModule, token, codes_in, position, write, key_valid, cache):
+    """One cached step of every row: `token [B]` (incoming codes `codes_in`, M-RoPE `position`) into cache slot
+    `write [B]`, attending over the slots `[0, write]` that `key_valid [B, S]` marks (the ragged form of
+    attention.py's decode kernel). Returns the final hidden [B, D] and the cache."""
+    b = token.shape[0]
+    batch = M.Batch(token[:, None], jnp.ones((b, 1), bool), codes_in[:, None],
+                    jnp.broadcast_to(position[None, :, None], (3, b, 1)))
+    mask = Mask(jnp.ones((b, 1), jnp.int32), key_valid.astype(jnp.int32), write, write + 1)
+    h, cache = model.hidden(batch, cache, write, mask=mask)
+    return h[:, 0], cache
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: SamplingParams, eos, pad_id,
            max_new, abstain_above=None) -> DecodeState:
@@ -198,12 +210,9 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
 
     def body(s: DecodeState) -> DecodeState:
         key_valid = s.key_valid | (jnp.arange(s.key_valid.shape[1]) == s.write[:, None])
-        mask = Mask(jnp.ones((b, 1), jnp.int32), key_valid.astype(jnp.int32), s.write, s.write + 1)
         codes_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((b,), NONE, jnp.int32)
-        step_in = M.Batch(s.token[:, None], jnp.ones((b, 1), bool), codes_in[:, None],
-                          jnp.broadcast_to(s.position[None, :, None], (3, b, 1)))
-        h, cache = model.hidden(step_in, s.cache, s.write, mask=mask)
-        logits = model.head(h[:, 0])
+        h, cache = cached_step(model, s.token, codes_in, s.position, s.write, key_valid, s.cache)
+        logits = model.head(h)
         rng, key = jax.random.split(s.rng)
         tok, code, ent = _choose(cfg, spec, logits, s.code, sp, key)
         live = ~s.done
@@ -328,7 +337,7 @@ def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, im
     fn = temperature_fn or UncertaintyTemperature()
     spec = Spec(greedy=bool(greedy_), introspection=bool(introspection),
                 new_bucket=bucket(max_new_tokens, new_floor), keep_logits=bool(return_logits),
-                unroll_layers=(jax.default_backend() == "cpu") if unroll_layers is None else bool(unroll_layers),
+                unroll_layers=(platform() == "cpu") if unroll_layers is None else bool(unroll_layers),
                 temperature_fn=fn, abstain=abstain_above is not None, keep_logprobs=bool(return_logprobs))
     sp = SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p), np.float32(uncertainty_power))
     n_eos = max(4, -(-len(eos) // 4) * 4)                  # padded with −1 to a multiple of 4: few shapes

@@ -160,7 +160,7 @@ def test_choice_by_platform_and_shape(monkeypatch):
     monkeypatch.setattr(A, "platform", lambda: "tpu")
     assert A.resolve("auto", text, 8) == "splash" and A.resolve("xla", text, 8) == "xla"
     monkeypatch.setattr(A, "platform", lambda: "gpu")
-    assert A.resolve("auto", text, 8) == "gpu"
+    assert A.resolve("auto", text, 8) == "gpu" and A.resolve("auto", decode, 1) == "xla"
     with pytest.raises(ValueError, match="attention must be one of"):
         A.resolve("flash", text, 8)
 

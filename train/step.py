@@ -240,12 +240,11 @@ def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: 
     supervised = feeds_code(targets)
     codes = mb.codes
     if cfg.train.introspection_passes > 1:
-        fixed = jax.lax.stop_gradient(params)
+        fixed = _bind(cfg, jax.lax.stop_gradient(params))     # outside the scan: unrolled layers sliced once
 
         def one_pass(c, _):
-            model = _bind(cfg, fixed)
-            h, _ = model.hidden(mb._replace(codes=c))
-            ent = head_xent(model, h, targets, cfg.train.logits_chunk)[1]
+            h, _ = fixed.hidden(mb._replace(codes=c))
+            ent = head_xent(fixed, h, targets, cfg.train.logits_chunk)[1]
             return shift_codes(mb.codes, codes_from_entropy(ent, m.text.vocab_size, m.n_bits), supervised,
                                mb.attention_mask), None
         codes, _ = jax.lax.scan(one_pass, codes, None, length=cfg.train.introspection_passes - 1)

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from .. import generate as G
 from .. import model as M
-from ..attention import Mask
 from ..config import ModelConfig
 from ..sampling import SamplingParams, UncertaintyTemperature, sample
 from ..text import unstack_layers
@@ -187,12 +186,9 @@ def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict
         live = ~s.done
         key_valid = s.key_valid.at[rows, jnp.where(live, s.write, window)].set(True, mode="drop")
         code_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((n,), -1, jnp.int32)
-        write = jnp.minimum(s.write, window - 1)
-        step_in = M.Batch(s.token[:, None], jnp.ones((n, 1), bool), code_in[:, None],
-                          jnp.broadcast_to(s.position[None, :, None], (3, n, 1)))
-        mask = Mask(jnp.ones((n, 1), jnp.int32), key_valid.astype(jnp.int32), write, write + 1)
-        h, cache = model.hidden(step_in, s.cache, write, mask=mask)
-        logits = model.head(h[:, 0])
+        h, cache = G.cached_step(model, s.token, code_in, s.position, jnp.minimum(s.write, window - 1), key_valid,
+                                 s.cache)
+        logits = model.head(h)
         split = jax.vmap(jax.random.split)(s.rng)
         tok, code, ent, lp, top_ids, top_lp = _choose(cfg, spec, logits, s.code, s.sp, s.greedy, split[:, 1], live)
         tok = jnp.where(live, tok, s.pad)
