@@ -203,7 +203,8 @@ def measure(runners: dict, new: dict, repeats: int) -> dict:
     n = new[name] tokens) and the best decode-only step time, (decode s − one-step decode s) / (n − 2), which leaves out what a
     decode call costs once (for prisma-jax: entering the compiled loop). The variants take turns, round after
     round, so that all of them see the same machine (this VM's memory speed varies 10× from second to second:
-    docs/benchmarks.md); the best of `repeats` rounds is kept, and every round's step time in "step_s"."""
+    docs/benchmarks.md); the best of `repeats` rounds is kept, and every round's step time in "step_s" (NaN for a
+    round whose one-step call took as long as the whole decode call: too few steps to see past the noise)."""
     out = {}
     for k, r in runners.items():
         t = time.perf_counter()
@@ -215,8 +216,10 @@ def measure(runners: dict, new: dict, repeats: int) -> dict:
         for k, r in runners.items():
             pre, dec, one = r(new[k])
             out[k]["best_run_s"] = min(out[k]["best_run_s"], pre + dec)
-            out[k]["step_s"].append(max(dec - one, 1e-9) / (new[k] - 2))
-            out[k]["best_step_s"] = min(out[k]["best_step_s"], out[k]["step_s"][-1])
+            step = (dec - one) / (new[k] - 2) if dec > one else float("nan")      # noise above the steps' time
+            out[k]["step_s"].append(step)
+            if step == step:
+                out[k]["best_step_s"] = min(out[k]["best_step_s"], step)
     return out
 
 
@@ -345,7 +348,7 @@ def main(argv=None) -> int:
                     row[f"{k}_nominal_frac"] = row[f"{k}_step_tok_s"] * row["step_bytes"] / b / args.nominal_bw
         if "off" in t:
             ratios = [a / o for a, o in zip(t["prisma"]["step_s"], t["off"]["step_s"])]
-            row["mechanism_overhead_pct"] = 100 * (float(np.median(ratios)) - 1)
+            row["mechanism_overhead_pct"] = 100 * (float(np.nanmedian(ratios)) - 1)
             row["mechanism_overhead_pct_rounds"] = [100 * (r - 1) for r in ratios]
         ops_s = mechanism_ops_s(cfg, model.params, b)
         row["mechanism_ops_ms"] = 1e3 * ops_s
@@ -367,8 +370,8 @@ def main(argv=None) -> int:
         ratio = f"{r['prisma_step_tok_s'] / r['hf_step_tok_s']:.2f}×" if has_hf else "–"
         whole = f"{r['prisma_tok_s']:.1f} / {r['hf_tok_s']:.1f}" if has_hf else f"{r['prisma_tok_s']:.1f} / –"
         off = (f"{r['off_step_tok_s']:.1f} | {r['mechanism_overhead_pct']:+.1f} %" if "off" in r else "– | –")
-        bf = (f"{r['bf16_step_tok_s']:.1f} ({r['bf16_step_tok_s'] / r['prisma_step_tok_s']:.2f}×)" if "bf16" in r
-              else "–")
+        bf = (f"{r['bf16_step_tok_s']:.1f} ({r['bf16_step_tok_s'] / r['prisma_step_tok_s']:.2f}×)"
+              if r.get("bf16_step_tok_s") else "–")                     # 0: no round left a step estimate
         print(f"| {b} | {r['prisma_step_tok_s']:.1f} | {hf_s} | {ratio} | {r['roofline_tok_s']:.1f} | {whole} | "
               f"{r['compile_s']:.1f} | {off} | "
               f"{r['mechanism_ops_ms']:.3f} ms ({r['mechanism_ops_pct']:.2f} %) | {bf} |")
