@@ -25,13 +25,14 @@ Implementations (`ModelConfig.attention`: "auto" | "xla" | "pallas"; docs/design
   kernel per key/value head, inside a `shard_map` over the batch and head axes of the active mesh. On
   another platform "pallas" runs the same kernel in Pallas interpret mode (what the tests compare with "xla").
   A decode step over a bfloat16 cache with `Mask.kv_len` runs jax's paged attention kernel
-  (`jax.experimental.pallas.ops.tpu.paged_attention`): it reads each row's `kv_len` slots and no more. The
-  kernel computes with bfloat16 keys and values and takes head dims in whole lanes (128), so a float32 cache,
-  a head dim of another size and a step without `kv_len` (serve's slots, Tunix) run "xla".
+  (`jax.experimental.pallas.ops.tpu.paged_attention`): each row's keys are read in blocks of up to
+  `BLOCK_SLOTS` slots, as many blocks as cover its `kv_len`, where "xla" reads every slot. The kernel casts
+  keys and values to bfloat16 and takes head dims in whole lanes (128), so a float32 cache, a head dim of
+  another size and a step without `kv_len` (Tunix, whose rows stay left-padded) run "xla".
   "auto" on TPU is "pallas".
 * "auto" on GPU: `jax.nn.dot_product_attention` with cuDNN's fused kernel for bf16/fp16 (the mask as its bias),
   XLA's for float32 or where cuDNN refuses the shape; a decode step runs "xla" (one query: the einsums read the
-  cache in its own layout, where those kernels would take a transposed copy of it).
+  cache in its own layout, where `dot_product_attention` would take a transposed copy of it).
 
 A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) always runs "xla".
 """
@@ -52,8 +53,8 @@ BLOCK = 128          # splash tiles: sequences padded to a multiple (padding is 
 LANES = 128          # head dims padded to a multiple on the kernel path (zeros change no score, no output)
 BLOCKED_MIN = 256    # "auto" on CPU: queries from which the blocked path beats the einsums (docs/attention-cpu.md)
 PAGE_MULTIPLE = 16   # paged decode kernel: its pages are 16·k slots (bf16 tiles), so the cache length is too
-PAGE_MAX = 256       # its largest page, in slots
-BLOCK_SLOTS = 1024   # its largest block of keys per kernel step, in slots
+PAGE_MAX = 128       # its largest page, in slots
+BLOCK_SLOTS = 512    # its largest block of keys per kernel step, in slots: a row reads whole blocks
 
 
 class Mask(NamedTuple):
@@ -255,6 +256,8 @@ def _paged(q, k_cache, v_cache, kv_len):
     heads of the active mesh. Each (row, key/value head) is one of the kernel's sequences, an MQA over that
     head's G query heads, its pages the row's slots of that head: `[B, KV, S, hd]` is the kernel's
     `[1, B·KV·S/page, page, hd]` without a copy, and q `[B, 1, H, hd]` its `[B·KV, G, hd]`."""
+    import contextlib
+
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
     b, _, h, hd = q.shape
@@ -272,10 +275,8 @@ def _paged(q, k_cache, v_cache, kv_len):
         as_pages = lambda c: c.reshape(1, n * (s // page), page, hd)                      # noqa: E731
         run = functools.partial(paged_attention, q.reshape(n, -1, hd), as_pages(k), as_pages(v),
                                 jnp.repeat(lengths.astype(jnp.int32), heads), pages, pages_per_compute_block=block)
-        if interpret:
-            with pltpu.force_tpu_interpret_mode():
-                return run().reshape(q.shape)
-        return run().reshape(q.shape)
+        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+            return run().reshape(q.shape)
 
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:

@@ -168,9 +168,10 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     t = spec.new_bucket
     cache, key_valid, logits, prev = prompt_pass(cfg, params, batch, t)
     n = batch.attention_mask.astype(jnp.int32).sum(1)                         # each row's prompt tokens
-    from_slot = (jnp.arange(p + t) + (p - n)[:, None]) % (p + t)                # [B, P + T]: shift left by the padding
-    key_valid = jnp.take_along_axis(key_valid, from_slot, axis=1)
-    cache = jax.tree.map(lambda c: jnp.take_along_axis(c, from_slot[None, :, None, :, None], axis=3), cache)
+    from_slot = (jnp.arange(p) + (p - n)[:, None]) % p                          # [B, P]: shift left by the padding
+    key_valid = key_valid.at[:, :p].set(jnp.take_along_axis(key_valid[:, :p], from_slot, axis=1))
+    shifted = lambda c: jnp.take_along_axis(c[..., :p, :], from_slot[None, :, None, :, None], axis=3)  # noqa: E731
+    cache = jax.tree.map(lambda c: jax.lax.dynamic_update_slice_in_dim(c, shifted(c), 0, axis=3), cache)
     rng, key = jax.random.split(rng)
     tok, code, ent = _choose(cfg, spec, logits, prev, sp, key)
     done, step = _abstain(spec, jnp.isin(tok, eos), code, jnp.ones((b,), bool), abstain_above, jnp.int32(0),
@@ -306,8 +307,8 @@ def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, im
     n_real = mask.sum(1)
     if (n_real == 0).any():
         raise ValueError(f"row {int(np.argmin(n_real))} of the prompt has no real tokens (attention_mask all 0)")
-    if not mask[:, -1].all():
-        raise ValueError("prompts must be left-padded: the last column of attention_mask must be 1 in every row")
+    if not mask[:, -1].all() or (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+        raise ValueError("prompts must be left-padded: each row of attention_mask must be 0s then 1s, ending in 1")
     longest = int(n_real.max())
     if longest + max_new_tokens > cfg.text.max_position_embeddings:
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the model's maximum "

@@ -3,8 +3,8 @@
 `TextModel` holds the token embedding, the decoder layers stacked on a leading axis (`layers.stacked`) and the
 final norm. One call serves a full forward, a prefill that fills a KV cache, and a cached decode step: the
 cache is `{"k", "v"}: [layers, B, KV, S_max, hd]` (each row's and head's slots contiguous: the paged decode
-kernel's pages, attention.py), scanned alongside the split layer state by one `lax.scan` (compile time flat in
-depth), and new keys/values are written at slot `write_pos` (one for every row, or `[B]` each row's own). Which keys a query may see
+kernel's pages, attention.py), scanned alongside the split layer state by one `lax.scan` (compile time flat
+in depth), and new keys/values are written at slot `write_pos` (one for every row, or `[B]` each row's own). Which keys a query may see
 is the caller's `attention.Mask` (or a dense `[B, S_q, S_k]` one); `attention` names the implementation
 (prisma_jax/attention.py).
 

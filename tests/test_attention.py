@@ -1,8 +1,9 @@
 """The attention entry point (prisma_jax/attention.py): the XLA path against a NumPy re-derivation, and the
 TPU splash kernel — run here in Pallas interpret mode — against the XLA path, forward and gradients, on text,
 left-padded, packed, prefill-into-a-cache, multi-image vision and GQA cases; the paged decode kernel against the
-XLA path on a ragged bf16 cache; then the whole train step and the whole decode loop (float32, and bf16 with the
-decode kernel) with `attention: pallas` against `xla`, and the splash kernel's shard_map on a simulated mesh."""
+XLA path on a ragged bf16 cache; then the whole train step, the whole decode loop (float32, and bf16 with the
+decode kernel) and the serve engine's rounds with `attention: pallas` against `xla`, and both kernels'
+shard_maps on a simulated mesh."""
 import dataclasses
 import os
 import subprocess
@@ -120,12 +121,17 @@ def decode_step(dtype, kv_len=(1, 37, 64), seed=3):
     return q, kc, vc, A.Mask(jnp.ones((b, 1), jnp.int32), valid, kv_len - 1, kv_len)
 
 
-def test_paged_decode_kernel_equals_xla():
+@pytest.mark.parametrize("pages", ["one block", "4 pages, 2 blocks"])
+def test_paged_decode_kernel_equals_xla(monkeypatch, pages):
     """jax's paged decode kernel (Pallas interpret mode) on a bf16 cache in its layout against the XLA path and a
-    NumPy re-derivation; it computes with bf16 keys and values, the XLA path rounds its weights to bf16: the
-    measured gap is ≤ 3e-3 (each ≤ 1.7e-3 from NumPy), the bound 1e-2. The XLA path over the cache layout equals
-    NumPy in float32."""
-    q, kc, vc, mask = decode_step(jnp.bfloat16)
+    NumPy re-derivation, with the 64 slots as one page, and as 4 pages read 2 to a block (rows of 1, 17, 33 and
+    64 keys: a row ends inside, at the end of and past a block); it casts keys and values to bf16, the XLA
+    path rounds its weights to bf16: the measured gap is ≤ 3e-3 (each ≤ 1.7e-3 from NumPy), the bound 1e-2.
+    The XLA path over the cache layout equals NumPy in float32."""
+    if pages != "one block":
+        monkeypatch.setattr(A, "PAGE_MAX", 16)
+        monkeypatch.setattr(A, "BLOCK_SLOTS", 32)
+    q, kc, vc, mask = decode_step(jnp.bfloat16, (1, 17, 33, 64))
     assert A.resolve("pallas", mask, 1, kc) == "paged"
     f32 = lambda a: np.asarray(a.astype(jnp.float32))                                    # noqa: E731
     ref = numpy_attention(f32(q), f32(kc).swapaxes(1, 2), f32(vc).swapaxes(1, 2), np.asarray(mask.dense()) > 0)

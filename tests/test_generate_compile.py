@@ -58,6 +58,7 @@ BAD = [
     (dict(eos_token_id=[3, 500]), "eos_token_id"),
     (dict(input_ids=np.array([[1, 2, 300]])), "outside the vocabulary"),
     (dict(input_ids=np.array([[1, 2, 3]]), attention_mask=np.array([[1, 1, 0]])), "left-padded"),
+    (dict(input_ids=np.array([[1, 2, 3, 4]]), attention_mask=np.array([[1, 0, 1, 1]])), "left-padded"),   # a gap
 ]
 
 

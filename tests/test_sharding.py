@@ -104,7 +104,7 @@ def test_big_tables_are_split_rows_on_tensor_columns_on_fsdp():
 def test_a_batch_the_mesh_does_not_divide_is_an_error_naming_the_sizes():
     mesh = FakeMesh(data=2, fsdp=2, tensor=2)
     for shape, logical in [((6, 5), ("batch", None)), ((3, 5), ("batch", None)), ((2, 3, 16), (None, "batch", None)),
-                           ((3, 2, 7, 2, 32), CACHE_AXES)]:
+                           ((3, 2, 2, 7, 32), CACHE_AXES)]:
         dim = shape[logical.index("batch")]
         with pytest.raises(ValueError, match=rf"batch dimension {dim} .* data=2 × fsdp=2 = 4"):
             spec_for(shape, logical, mesh)
