@@ -39,6 +39,7 @@ A dense `[B, Sq, Sk]` boolean mask (Tunix brings its own, prisma_jax/tunix.py) a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -256,8 +257,6 @@ def _paged(q, k_cache, v_cache, kv_len):
     heads of the active mesh. Each (row, key/value head) is one of the kernel's sequences, an MQA over that
     head's G query heads, its pages the row's slots of that head: `[B, KV, S, hd]` is the kernel's
     `[1, B·KV·S/page, page, hd]` without a copy, and q `[B, 1, H, hd]` its `[B·KV, G, hd]`."""
-    import contextlib
-
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
     b, _, h, hd = q.shape
@@ -273,10 +272,10 @@ def _paged(q, k_cache, v_cache, kv_len):
         n = rows * heads
         pages = jnp.arange(n * (s // page), dtype=jnp.int32).reshape(n, s // page)
         as_pages = lambda c: c.reshape(1, n * (s // page), page, hd)                      # noqa: E731
-        run = functools.partial(paged_attention, q.reshape(n, -1, hd), as_pages(k), as_pages(v),
-                                jnp.repeat(lengths.astype(jnp.int32), heads), pages, pages_per_compute_block=block)
         with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-            return run().reshape(q.shape)
+            out = paged_attention(q.reshape(n, -1, hd), as_pages(k), as_pages(v),
+                                  jnp.repeat(lengths.astype(jnp.int32), heads), pages, pages_per_compute_block=block)
+        return out.reshape(q.shape)
 
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
