@@ -3,10 +3,11 @@
 `TextModel` holds the token embedding, the decoder layers stacked on a leading axis (`layers.stacked`) and the
 final norm. One call serves a full forward, a prefill that fills a KV cache, and a cached decode step: the
 cache is `{"k", "v"}: [layers, B, KV, S_max, hd]` (each row's and head's slots contiguous: the paged decode
-kernel's pages, attention.py), scanned alongside the split layer state by one `lax.scan` (compile time flat
-in depth), and new keys/values are written at slot `write_pos` (one for every row, or `[B]` each row's own). Which keys a query may see
-is the caller's `attention.Mask` (or a dense `[B, S_q, S_k]` one); `attention` names the implementation
-(prisma_jax/attention.py).
+kernel's pages, attention.py), scanned alongside the split layer state by one `lax.scan` (compile time
+flat in depth), and new keys/values are written at slot `write_pos` (one for every row, or `[B]` each row's
+own). Which keys a query may see is the caller's `attention.Mask` (or a dense `[B, S_q, S_k]` one);
+`attention` names the implementation (prisma_jax/attention.py). A prompt pass from slot 0 attends over its own
+new keys (a causal query sees no later slot), a call at a later slot over the cache.
 
 Unrolled layout (`unstack_layers`): `layers` a list of per-layer modules and the cache tuples of per-layer
 arrays, run by a Python loop. XLA:CPU copies a scanned layer's weight slice out of the stack before every
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import TextConfig
-from .attention import attention, cached_attention, write_cache
+from .attention import Mask, attention, cached_attention, write_cache
 from .layers import Dense, Embed, RMSNorm, apply_rope, layer_slices, stacked, unstack
 from .lora import adapter
 from .sharding import CACHE_AXES, constrain
@@ -63,10 +64,15 @@ class TextAttention(nnx.Module):
         v = self.v_proj(h).reshape(b, s, cfg.num_key_value_heads, cfg.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
-        if k_cache is None:
-            out = attention(q, k, v, mask, self.impl)
-        else:
+        if k_cache is not None:
             k_cache, v_cache = write_cache(k_cache, k, write_pos), write_cache(v_cache, v, write_pos)
+        from_slot_0 = isinstance(mask, Mask) and isinstance(mask.causal_start, int) and mask.causal_start == 0
+        if k_cache is None or from_slot_0:
+            # no cache, or a prompt pass from slot 0: causal queries 0..s−1 see no slot past s−1, so their keys
+            # are the new ones (no attention over the empty slots, no copy of the cache in another layout)
+            kv_mask = mask if k_cache is None else mask._replace(kv_segment=mask.kv_segment[:, :s])
+            out = attention(q, k, v, kv_mask, self.impl)
+        else:
             out = cached_attention(q, k_cache.astype(h.dtype), v_cache.astype(h.dtype), mask, self.impl)
         return self.o_proj(out.reshape(b, s, -1)), k_cache, v_cache
 
