@@ -45,8 +45,7 @@ from .uncertainty import NONE, codes_from_entropy, entropy
 
 
 class DecodeState(NamedTuple):
-    cache: dict              # {"k", "v"}: [layers, B, KV, P + T, hd]
-    key_valid: jax.Array     # [B, P + T] bool: slots holding real tokens (each row's first ones)
+    cache: dict              # {"k", "v"}: [layers, B, KV, P + T, hd]; a row's real tokens in slots [0, write)
     token: jax.Array         # [B] int32: last token, the next step's input
     code: jax.Array          # [B] uint16: code of the distribution `token` was drawn from = its incoming code
     position: jax.Array      # [B] int32: M-RoPE position of `token` (text position + rope delta, all 3 axes)
@@ -143,8 +142,8 @@ def _choose(cfg: ModelConfig, spec: Spec, logits, prev_code, sp: SamplingParams,
 
 def prompt_pass(cfg: ModelConfig, params: dict, batch: M.Batch, t: int):
     """The prompt [B, P] (vision included) through the model into a fresh cache of P + t slots (traced inside
-    a caller's jit). Returns (cache, key_valid [B, P + t], the last position's logits [B, V], and the code the
-    first generated token is drawn under: the last prompt token's incoming code, or N, as uint16 [B])."""
+    a caller's jit), left-padded as the batch is. Returns (cache, the last position's logits [B, V], and the code
+    the first generated token is drawn under: the last prompt token's incoming code, or N, as uint16 [B])."""
     b, p = batch.input_ids.shape
     tc = cfg.text
     dtype = params["text"]["embed"]["embedding"].dtype
@@ -156,7 +155,7 @@ def prompt_pass(cfg: ModelConfig, params: dict, batch: M.Batch, t: int):
     logits = model.head(h[:, -1])                                                 # [B, V]
     last_in = batch.codes[:, -1]                                  # incoming code of the last prompt token
     prev = jnp.where(last_in >= 0, last_in, cfg.neutral_code).astype(jnp.uint16)
-    return cache, key_valid, logits, prev
+    return cache, logits, prev
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -166,10 +165,9 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     `abstain_above`: τ as an int32 scalar when `spec.abstain` (else unused)."""
     b, p = batch.input_ids.shape
     t = spec.new_bucket
-    cache, key_valid, logits, prev = prompt_pass(cfg, params, batch, t)
+    cache, logits, prev = prompt_pass(cfg, params, batch, t)
     n = batch.attention_mask.astype(jnp.int32).sum(1)                         # each row's prompt tokens
     from_slot = (jnp.arange(p) + (p - n)[:, None]) % p                          # [B, P]: shift left by the padding
-    key_valid = key_valid.at[:, :p].set(jnp.take_along_axis(key_valid[:, :p], from_slot, axis=1))
     shifted = lambda c: jnp.take_along_axis(c[..., :p, :], from_slot[None, :, None, :, None], axis=3)  # noqa: E731
     cache = jax.tree.map(lambda c: jax.lax.dynamic_update_slice_in_dim(c, shifted(c), 0, axis=3), cache)
     rng, key = jax.random.split(rng)
@@ -180,20 +178,22 @@ def prefill(cfg: ModelConfig, spec: Spec, params: dict, batch: M.Batch, next_pos
     z = logits.astype(jnp.float32)
     kept = put(jnp.zeros((b, t, z.shape[-1]), jnp.float32), z) if spec.keep_logits else None
     lp = put(jnp.zeros((b, t), jnp.float32), _token_logprob(z, tok)) if spec.keep_logprobs else None
-    return DecodeState(cache, key_valid, tok, code, next_pos.astype(jnp.int32), n, jnp.int32(1), rng, done,
+    return DecodeState(cache, tok, code, next_pos.astype(jnp.int32), n, jnp.int32(1), rng, done,
                        jnp.ones((b,), jnp.int32),
                        put(jnp.full((b, t), pad_id, jnp.int32), tok), put(jnp.zeros((b, t), jnp.uint16), code),
                        put(jnp.zeros((b, t), jnp.float32), ent), kept, step, lp)
 
 
-def cached_step(model: M.PrismaVLModule, token, codes_in, position, write, key_valid, cache):
+def cached_step(model: M.PrismaVLModule, token, codes_in, position, write, cache):
     """One cached step of every row: `token [B]` (incoming codes `codes_in`, M-RoPE `position`) into cache slot
-    `write [B]`, attending over the slots `[0, write]` that `key_valid [B, S]` marks (the ragged form of
-    attention.py's decode kernel). Returns the final hidden [B, D] and the cache."""
+    `write [B]`, attending over slots `[0, write]` (each row's keys from slot 0: the ragged form of attention.py's
+    decode kernel). Returns the final hidden [B, D] and the cache."""
     b = token.shape[0]
     batch = M.Batch(token[:, None], jnp.ones((b, 1), bool), codes_in[:, None],
                     jnp.broadcast_to(position[None, :, None], (3, b, 1)))
-    mask = Mask(jnp.ones((b, 1), jnp.int32), key_valid.astype(jnp.int32), write, write + 1)
+    slots = jax.tree.leaves(cache)[0].shape[-2]
+    key_valid = (jnp.arange(slots) <= write[:, None]).astype(jnp.int32)
+    mask = Mask(jnp.ones((b, 1), jnp.int32), key_valid, write, write + 1)
     h, cache = model.hidden(batch, cache, write, mask=mask)
     return h[:, 0], cache
 
@@ -210,9 +210,8 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
         return (s.step < max_new) & ~jnp.all(s.done)
 
     def body(s: DecodeState) -> DecodeState:
-        key_valid = s.key_valid | (jnp.arange(s.key_valid.shape[1]) == s.write[:, None])
         codes_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((b,), NONE, jnp.int32)
-        h, cache = cached_step(model, s.token, codes_in, s.position, s.write, key_valid, s.cache)
+        h, cache = cached_step(model, s.token, codes_in, s.position, s.write, s.cache)
         logits = model.head(h)
         rng, key = jax.random.split(s.rng)
         tok, code, ent = _choose(cfg, spec, logits, s.code, sp, key)
@@ -227,7 +226,7 @@ def decode(cfg: ModelConfig, spec: Spec, params: dict, state: DecodeState, sp: S
         done, step = _abstain(spec, s.done | jnp.isin(tok, eos), code, live, abstain_above, s.step,
                               s.abstain_step)
         lp = None if s.logprobs is None else put(s.logprobs, jnp.where(live, _token_logprob(z, tok), 0.0))
-        return DecodeState(cache, key_valid, tok, code, s.position + 1, s.write + 1, s.step + 1, rng,
+        return DecodeState(cache, tok, code, s.position + 1, s.write + 1, s.step + 1, rng,
                            done, s.lengths + live.astype(jnp.int32),
                            put(s.tokens, tok), put(s.codes, code), put(s.entropies, jnp.where(live, ent, 0.0)),
                            kept, step, lp)

@@ -88,7 +88,7 @@ def test_plan_lowers_the_decode_program_generate_runs(model, monkeypatch):
     state = G.prefill(cfg, p.spec, model.params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
     real = (model.params, state, p.sp, p.eos, p.pad, p.max_new)
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    b, slots = state.key_valid.shape                          # 2 rows, 16 prompt + 8 new slots
+    b, slots = state.tokens.shape[0], state.cache["k"].shape[3]   # 2 rows, 16 prompt + 8 new slots
     planned = PL.decode_args(cfg, mesh, b, slots, "float32", p.spec)
     kind = lambda x: (tuple(np.shape(x)), str(x.dtype))      # noqa: E731
     assert jax.tree.structure(planned) == jax.tree.structure(real)

@@ -50,7 +50,6 @@ class ServeSpec(NamedTuple):
 
 class Slots(NamedTuple):
     cache: dict              # {"k", "v"}: [layers, S, KV, M, hd], or tuples of per-layer [S, KV, M, hd] (unrolled)
-    key_valid: jax.Array     # [S, M] bool
     token: jax.Array         # [S] int32 last token, the next step's input
     code: jax.Array          # [S] uint16 code of the distribution `token` was drawn from
     position: jax.Array      # [S] int32 M-RoPE position of `token`
@@ -76,6 +75,11 @@ class Emitted(NamedTuple):
     live: jax.Array          # bool: the slot drew this token (else it was done)
 
 
+def _entries(slots: Slots) -> int:
+    """M, the cache entries of a slot (the second-to-last axis of every cache leaf)."""
+    return jax.tree.leaves(slots.cache)[0].shape[-2]
+
+
 def _row_axis(spec: ServeSpec) -> int:
     return 0 if spec.unroll_layers else 1
 
@@ -91,7 +95,7 @@ def init_slots(cfg: ModelConfig, spec: ServeSpec, n_slots: int, max_len: int, dt
     zi = jnp.zeros((n_slots,), jnp.int32)
     sp = SamplingParams(jnp.zeros((n_slots,), jnp.float32), zi, jnp.ones((n_slots,), jnp.float32),
                         jnp.zeros((n_slots,), jnp.float32))
-    return Slots(cache, jnp.zeros((n_slots, max_len), bool), zi, zi.astype(jnp.uint16), zi, zi, zi, zi,
+    return Slots(cache, zi, zi.astype(jnp.uint16), zi, zi, zi, zi,
                  jnp.ones((n_slots,), bool), jax.random.split(jax.random.key(0), n_slots), sp,
                  jnp.ones((n_slots,), bool), jnp.full((n_slots, MAX_END_IDS), -1, jnp.int32), jnp.int32(0))
 
@@ -130,10 +134,10 @@ def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batc
     """Prefill one request (batch of one row, left-padded to its bucket P), draw its first token as
     `generate.prefill` does, and put it into slot `i`: its cache entries [shift, P) at [0, P − shift).
     sp / max_new / rng: the request's (scalars); eos [MAX_END_IDS]."""
-    cache, key_valid, logits, prev = G.prompt_pass(cfg, params, batch, 0)
+    cache, logits, prev = G.prompt_pass(cfg, params, batch, 0)
     # the request is row 0 (under a mesh `generate.plan` adds dummy rows up to the batch shards)
     cache = jax.tree.map(lambda a: a[:, :1], cache)
-    key_valid, logits, prev = key_valid[:1], logits[:1], prev[:1]
+    logits, prev = logits[:1], prev[:1]
     p = batch.input_ids.shape[1]
     rng, key = jax.random.split(rng)
     one = lambda x: jnp.asarray(x)[None]                                                     # noqa: E731
@@ -142,8 +146,7 @@ def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batc
     out = _choose(cfg, spec, logits, prev, sp1, one(greedy), key[None], jnp.ones((1,), bool))
     tok, code = out[0][0], out[1][0]
 
-    m = slots.key_valid.shape[1]
-    c = min(p, m)
+    c = min(p, _entries(slots))
 
     def entries(src, axis):                        # entries [shift, shift + c) of src along `axis`
         pad = jnp.zeros(src.shape[:axis] + (c,) + src.shape[axis + 1:], src.dtype)
@@ -156,10 +159,9 @@ def admit(cfg: ModelConfig, spec: ServeSpec, params: dict, slots: Slots, i, batc
     else:
         new = {n: jax.lax.dynamic_update_slice(slots.cache[n], entries(cache[n], 3).astype(slots.cache[n].dtype),
                                                (0, i, 0, 0, 0)) for n in ("k", "v")}
-    row_valid = jax.lax.dynamic_slice_in_dim(jnp.concatenate([key_valid[0], jnp.zeros((m,), bool)]), shift, m)
     put = lambda a, x: a.at[i].set(x)                                                         # noqa: E731
     done = _ended(tok[None], jnp.ones((1,), jnp.int32), max_new, eos[None])[0]
-    slots = Slots(new, put(slots.key_valid, row_valid), put(slots.token, tok), put(slots.code, code),
+    slots = Slots(new, put(slots.token, tok), put(slots.code, code),
                   put(slots.position, next_pos[0]), put(slots.write, p - shift), put(slots.count, 1),
                   put(slots.max_new, max_new), put(slots.done, done), put(slots.rng, rng),
                   jax.tree.map(put, slots.sp, sp), put(slots.greedy, greedy), put(slots.eos, eos), slots.pad)
@@ -176,18 +178,15 @@ def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict
     if spec.unroll_layers:
         unstack_layers(model.text, layer_params=layer_params)
     ax = _row_axis(spec) + 2                                        # the cache's entry axis
-    m = slots.key_valid.shape[1]
+    m = _entries(slots)
     cut = (lambda a: jax.lax.slice_in_dim(a, 0, window, axis=ax)) if window < m else (lambda a: a)  # noqa: E731
-    s = slots._replace(cache=jax.tree.map(cut, slots.cache), key_valid=slots.key_valid[:, :window])
+    s = slots._replace(cache=jax.tree.map(cut, slots.cache))
     n = s.token.shape[0]
-    rows = jnp.arange(n)
 
     def step(s: Slots, _):
         live = ~s.done
-        key_valid = s.key_valid.at[rows, jnp.where(live, s.write, window)].set(True, mode="drop")
         code_in = s.code.astype(jnp.int32) if spec.introspection else jnp.full((n,), -1, jnp.int32)
-        h, cache = G.cached_step(model, s.token, code_in, s.position, jnp.minimum(s.write, window - 1), key_valid,
-                                 s.cache)
+        h, cache = G.cached_step(model, s.token, code_in, s.position, jnp.minimum(s.write, window - 1), s.cache)
         logits = model.head(h)
         split = jax.vmap(jax.random.split)(s.rng)
         tok, code, ent, lp, top_ids, top_lp = _choose(cfg, spec, logits, s.code, s.sp, s.greedy, split[:, 1], live)
@@ -195,7 +194,7 @@ def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict
         code = jnp.where(live, code, 0).astype(jnp.uint16)
         count = s.count + live
         done = s.done | (live & _ended(tok, count, s.max_new, s.eos))
-        s = s._replace(cache=cache, key_valid=key_valid, token=jnp.where(live, tok, s.token),
+        s = s._replace(cache=cache, token=jnp.where(live, tok, s.token),
                        code=jnp.where(live, code, s.code), position=s.position + live, write=s.write + live,
                        count=count, done=done, rng=split[:, 0])
         return s, Emitted(tok, code, jnp.where(live, ent, 0.0), lp, top_ids, top_lp, live)
@@ -203,8 +202,7 @@ def advance(cfg: ModelConfig, spec: ServeSpec, window: int, k: int, params: dict
     s, out = jax.lax.scan(step, s, None, length=k)
     if window < m:
         back = lambda full, w: jax.lax.dynamic_update_slice_in_dim(full, w, 0, axis=ax)     # noqa: E731
-        s = s._replace(cache=jax.tree.map(back, slots.cache, s.cache),
-                       key_valid=jax.lax.dynamic_update_slice_in_dim(slots.key_valid, s.key_valid, 0, axis=1))
+        s = s._replace(cache=jax.tree.map(back, slots.cache, s.cache))
     return s, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out)
 
 
