@@ -54,34 +54,42 @@ class PrismaVLModule(nnx.Module):
         self.uncertainty = Uncertainty(cfg.n_levels, cfg.text.hidden_size, (cfg.image_token_id, cfg.video_token_id),
                                        uncertainty_init, rngs=rngs)
 
-    def embed(self, input_ids, codes, pixel_values=None, geometry=None, remat=False):
-        """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in.
-
-        Two image layouts. Packed, `pixel_values` [N_patch, ·]: one list of every image in batch order, the
-        k-th image token of the batch reads feature k. Per row, [B, N_row, ·] (training: each row's image
-        slots, its images first): row r's k-th image token reads row r's feature k, so a row needs nothing from
-        other rows and the pixels shard with their rows (train/sharded.py)."""
-        cfg = self.cfg
-        x = self.uncertainty(self.text.embed(input_ids), input_ids, codes)
-        if pixel_values is None:
-            return constrain(x, ("batch", "seq", "embed")), None
-        is_img = input_ids == cfg.image_token_id
+    def vision_features(self, pixel_values, geometry, remat=False):
+        """The vision tower's (merged, deepstack) features: [B, T, D] / [L_ds, B, T, D] per row, or [T, D] /
+        [L_ds, T, D] packed. They do not depend on the codes, so introspection passes share them."""
         if pixel_values.ndim == 3:
             b = pixel_values.shape[0]
             merged, deep = self.vision(pixel_values.reshape(-1, pixel_values.shape[-1]), tile_geometry(geometry, b),
                                        remat=remat)
             t, d = merged.shape[0] // b, merged.shape[-1]
-            merged = constrain(merged.reshape(b, t, d), ("batch", None, "embed"))
-            deep = constrain(deep.reshape(deep.shape[0], b, t, d), (None, "batch", None, "embed"))
+            return (constrain(merged.reshape(b, t, d), ("batch", None, "embed")),
+                    constrain(deep.reshape(deep.shape[0], b, t, d), (None, "batch", None, "embed")))
+        return self.vision(pixel_values, geometry, remat=remat)
+
+    def embed(self, input_ids, codes, pixel_values=None, geometry=None, remat=False, features=None):
+        """Input embeddings [B, S, D] with the uncertainty injected and vision features scattered in.
+
+        Two image layouts. Packed, `pixel_values` [N_patch, ·]: one list of every image in batch order, the
+        k-th image token of the batch reads feature k. Per row, [B, N_row, ·] (training: each row's image
+        slots, its images first): row r's k-th image token reads row r's feature k, so a row needs nothing from
+        other rows and the pixels shard with their rows (train/sharded.py). `features`: the tower's output
+        (`vision_features`), computed once by a caller that embeds the same images several times."""
+        cfg = self.cfg
+        x = self.uncertainty(self.text.embed(input_ids), input_ids, codes)
+        if pixel_values is None:
+            return constrain(x, ("batch", "seq", "embed")), None
+        is_img = input_ids == cfg.image_token_id
+        merged, deep = self.vision_features(pixel_values, geometry, remat) if features is None else features
+        if pixel_values.ndim == 3:
             index = jnp.cumsum(is_img, axis=1)
         else:
-            merged, deep = self.vision(pixel_values, geometry, remat=remat)
             index = jnp.cumsum(is_img.reshape(-1)).reshape(is_img.shape)
         index = jnp.maximum(index - 1, 0).astype(jnp.int32)
         x = jnp.where(is_img[..., None], image_features(merged, index).astype(x.dtype), x)
         return constrain(x, ("batch", "seq", "embed")), DeepStack(deep, index, is_img)
 
-    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None, mask=None):
+    def hidden(self, batch: Batch, cache=None, write_pos=0, key_valid=None, remat_policy=None, mask=None,
+               features=None):
         """Final-normed hidden states [B, S, D] and the updated cache.
 
         Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
@@ -89,7 +97,7 @@ class PrismaVLModule(nnx.Module):
         The mask is causal within each segment (prisma_jax/attention.py); a dense `mask [B, S, S_k]` (True = may
         attend) replaces it (prisma_jax/tunix.py: Tunix brings its own)."""
         x, ds = self.embed(batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
-                           remat=remat_policy is not None)
+                           remat=remat_policy is not None, features=features)
         cos, sin = mrope_cos_sin(self.cfg, batch.positions, x.dtype)
         if mask is None:
             mask = causal(batch.attention_mask if key_valid is None else key_valid, write_pos, x.shape[1])

@@ -272,7 +272,7 @@ def test_no_loss_targets_feed_codes_but_give_no_loss_or_gradient(tmp_path):
     """`"loss": false` tokens (target NO_LOSS): the code of the distribution each is drawn from still feeds the
     next position, exactly as for a learned token (transformers, step by step), yet the loss and its gradient
     are those of the learned positions alone: torch's summed cross-entropy over them, and its autograd gradient
-    of `lm_head` and the token embeddings, through the model fed those codes."""
+    of `lm_head`, the token embeddings and the vision tower, through the model fed those codes."""
     hf, table, params, mcfg, ids, mask, pv, grid = sequential_setup(tmp_path)
     s = ids.shape[1]
     # row 0: an answer of 3 tokens not learned, then 2 learned; row 1: learned, 2 not learned, learned
@@ -301,6 +301,8 @@ def test_no_loss_targets_feed_codes_but_give_no_loss_or_gradient(tmp_path):
     ce.backward()
     np.testing.assert_allclose(float(loss), ce.item(), rtol=1e-5)
     for got, want in [(g["lm_head"]["kernel"], hf.lm_head.weight.grad.numpy().T),
-                      (g["text"]["embed"]["embedding"], hf.model.language_model.embed_tokens.weight.grad.numpy())]:
+                      (g["text"]["embed"]["embedding"], hf.model.language_model.embed_tokens.weight.grad.numpy()),
+                      # the vision tower runs once for all passes (its features do not depend on the codes)
+                      (g["vision"]["patch_embed"]["bias"], hf.model.visual.patch_embed.proj.bias.grad.numpy())]:
         assert np.abs(want).max() > 0
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4 * np.abs(want).max())

@@ -73,6 +73,7 @@ class DataSection:
     on_malformed: str = "error"         # error | skip: malformed JSONL lines and missing images
     shuffle: bool = True
     num_threads: int = 2                # grain read threads (image decoding)
+    image_cache_mb: int = 0             # keep processed pixels of recently read images, up to this many MB
     packing: bool = False               # several conversations a row (first-fit), told apart by segment ids
 
 
@@ -199,6 +200,7 @@ def _check(c: Config) -> Config:
     m = c.model.vision.patch_size * c.model.vision.spatial_merge_size
     need(d.image_size >= m and d.image_size % m == 0,
          f"data.image_size must be a positive multiple of patch_size·merge = {m}, got {d.image_size}")
+    need(d.image_cache_mb >= 0, f"data.image_cache_mb must be ≥ 0 (0 = no cache), got {d.image_cache_mb}")
     need(d.max_images >= 0, f"data.max_images must be ≥ 0, got {d.max_images}")
     need(d.overlong in ("truncate", "drop"), f"data.overlong must be truncate or drop, got {d.overlong!r}")
     need(d.on_malformed in ("error", "skip"), f"data.on_malformed must be error or skip, got {d.on_malformed!r}")

@@ -29,9 +29,11 @@ checkpoint. `synthetic` draws tokens from a generator seeded by (seed, record in
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import threading
 
 import grain
 import jax
@@ -214,15 +216,44 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
 
 # ---------------------------------------------------------------------------------------------- per record
 
+class PixelCache:
+    """Least-recently-used processed pixels, keyed by a record's image paths, up to `budget` bytes (shared by
+    grain's read threads). A dataset read over several epochs decodes and processes each image once while it
+    fits: the demo's 20,000 images (2 GB of float32 pixels) are read 13 times each over its 8,000 steps."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.items: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple, make) -> np.ndarray:
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                return self.items[key]
+        value = make()
+        value.setflags(write=False)
+        with self.lock:
+            if key not in self.items and value.nbytes <= self.budget:
+                self.items[key] = value
+                self.used += value.nbytes
+                while self.used > self.budget:
+                    self.used -= self.items.popitem(last=False)[1].nbytes
+        return value
+
+
 class LoadImages:
     """grain map: a `Record` — or, with `data.packing`, a packed row's list of them — → dict of fixed-length
     arrays plus the row's pixel rows (its conversations' images, in order). `mask` is bool for one conversation,
-    int32 segment ids 1, 2, ... (0 = padding) for a packed row."""
+    int32 segment ids 1, 2, ... (0 = padding) for a packed row. `data.image_cache_mb` > 0: processed pixels are
+    kept in a `PixelCache` of that size."""
 
     def __init__(self, cfg: Config, image_processor):
         self.cfg, self.improc = cfg, image_processor
         g = cfg.data.image_size // cfg.model.vision.patch_size
         self.grid = np.array([1, g, g])
+        mb = cfg.data.image_cache_mb
+        self.cache = PixelCache(mb << 20) if mb else None
 
     def __call__(self, item) -> dict:
         recs = item if isinstance(item, (list, tuple)) else [item]
@@ -239,7 +270,8 @@ class LoadImages:
             learned[span] = rec.supervised if rec.learned is None else rec.supervised & rec.learned
             at = span.stop
             if rec.images:
-                pixels.append(self._pixels(rec))
+                pixels.append(self._pixels(rec) if self.cache is None else
+                              self.cache.get(tuple(rec.images), lambda: self._pixels(rec)))
         mask = seg if isinstance(item, (list, tuple)) else seg > 0
         return {"ids": ids, "mask": mask, "supervised": sup, "learned": learned,
                 "pixels": np.concatenate(pixels) if pixels else None}
