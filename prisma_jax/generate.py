@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import model as M
-from .attention import Mask, platform
+from .attention import Mask
 from .config import ModelConfig
 from .inputs import prepare
 from .sampling import SamplingParams, UncertaintyTemperature, check_sampling, greedy, sample
 from .sharding import batch_shards
-from .text import unstack_layers
+from .text import unroll_default, unstack_layers
 from .uncertainty import NONE, codes_from_entropy, entropy
 
 
@@ -337,7 +337,7 @@ def plan(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None, im
     fn = temperature_fn or UncertaintyTemperature()
     spec = Spec(greedy=bool(greedy_), introspection=bool(introspection),
                 new_bucket=bucket(max_new_tokens, new_floor), keep_logits=bool(return_logits),
-                unroll_layers=(platform() == "cpu") if unroll_layers is None else bool(unroll_layers),
+                unroll_layers=unroll_default(unroll_layers),
                 temperature_fn=fn, abstain=abstain_above is not None, keep_logprobs=bool(return_logprobs))
     sp = SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p), np.float32(uncertainty_power))
     n_eos = max(4, -(-len(eos) // 4) * 4)                  # padded with −1 to a multiple of 4: few shapes

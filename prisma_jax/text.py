@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import TextConfig
-from .attention import Mask, attention, cached_attention, write_cache
+from .attention import Mask, attention, cached_attention, platform, write_cache
 from .layers import Dense, Embed, RMSNorm, apply_rope, layer_slices, stacked, unstack
 from .lora import adapter
 from .sharding import CACHE_AXES, constrain
@@ -148,6 +148,12 @@ class TextModel(nnx.Module):
         x, (kc, vc) = jax.lax.scan(body, x, (state, layers, kc, vc))
         x = self.norm(x)
         return x, (None if cache is None else {"k": constrain(kc, CACHE_AXES), "v": constrain(vc, CACHE_AXES)})
+
+
+def unroll_default(unroll: bool | None) -> bool:
+    """`unroll_layers` with None resolved: unrolled on the CPU backend, where XLA copies every slice of the stacked
+    weights before its matmuls (docs/benchmarks.md, decode); TPU and GPU keep the scan (one layer compiled)."""
+    return platform() == "cpu" if unroll is None else bool(unroll)
 
 
 def unstack_layers(text: TextModel, cache: dict | None = None, layer_params: list | None = None):

@@ -29,13 +29,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from prisma_jax.attention import platform
 from prisma_jax.lora import is_adapter
 from prisma_jax.model import Batch, bind
 from prisma_jax.params import TABLE_PATH, init_params
 from prisma_jax.quantize import refuse_training
 from prisma_jax.sharding import constrain
-from prisma_jax.text import unstack_layers
+from prisma_jax.text import unroll_default, unstack_layers
 from prisma_jax.uncertainty import codes_from_entropy, entropy_parts, shift_codes
 from prisma_jax.vision import VisionGeometry
 
@@ -215,7 +214,7 @@ def unrolled(cfg: Config) -> bool:
     (XLA:CPU runs the `bench_58m` step in 15 % less time with its layers unrolled, docs/benchmarks.md; a scan compiles
     one layer, which TPU and GPU programs keep)."""
     u = cfg.train.unroll_layers
-    return platform() == "cpu" and cfg.train.remat == "none" if u is None else u
+    return unroll_default(None) and cfg.train.remat == "none" if u is None else u
 
 
 def _bind(cfg: Config, params: dict):

@@ -29,8 +29,7 @@ import jax
 import numpy as np
 
 from .. import generate as G
-from ..attention import platform
-from ..text import split_layers
+from ..text import split_layers, unroll_default
 from . import slots as S
 
 DEFAULT_STEPS = 4          # K: decode steps per host round trip (docs/benchmarks.md, "Serving")
@@ -96,7 +95,7 @@ class Engine:
         self.model, self.cfg = model, model.config
         self.n_slots, self.max_len, self.steps, self.max_queue = int(slots), int(max_len), int(steps), int(max_queue)
         self.prompt_floor, self.new_floor = prompt_floor, new_floor
-        unroll = (platform() == "cpu") if unroll_layers is None else bool(unroll_layers)
+        unroll = unroll_default(unroll_layers)
         self.spec = S.ServeSpec(introspection=introspection, unroll_layers=unroll)
         # unrolled decode (CPU): the decoder layers as separate arrays, a copy made once (slots.advance)
         self._layers = split_layers(model.params) if unroll else None
