@@ -73,7 +73,8 @@ class PrismaVLModule(nnx.Module):
         k-th image token of the batch reads feature k. Per row, [B, N_row, ·] (training: each row's image
         slots, its images first): row r's k-th image token reads row r's feature k, so a row needs nothing from
         other rows and the pixels shard with their rows (train/sharded.py). `features`: the tower's output
-        (`vision_features`), computed once by a caller that embeds the same images several times."""
+        (`vision_features` of these `pixel_values`, which still give the layout), computed once by a caller that
+        embeds the same images several times."""
         cfg = self.cfg
         x = self.uncertainty(self.text.embed(input_ids), input_ids, codes)
         if pixel_values is None:
@@ -95,7 +96,7 @@ class PrismaVLModule(nnx.Module):
         Without a cache, keys are the batch itself (`key_valid` = its mask); with one, new keys are written at
         `write_pos` and `key_valid [B, S_max]` says which cache slots hold real tokens (bool, or segment ids).
         The mask is causal within each segment (prisma_jax/attention.py); a dense `mask [B, S, S_k]` (True = may
-        attend) replaces it (prisma_jax/tunix.py: Tunix brings its own)."""
+        attend) replaces it (prisma_jax/tunix.py: Tunix brings its own). `features`: as for `embed`."""
         x, ds = self.embed(batch.input_ids, batch.codes, batch.pixel_values, batch.geometry,
                            remat=remat_policy is not None, features=features)
         cos, sin = mrope_cos_sin(self.cfg, batch.positions, x.dtype)

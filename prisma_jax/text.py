@@ -151,8 +151,9 @@ class TextModel(nnx.Module):
 
 
 def unroll_default(unroll: bool | None) -> bool:
-    """`unroll_layers` with None resolved: unrolled on the CPU backend, where XLA copies every slice of the stacked
-    weights before its matmuls (docs/benchmarks.md, decode); TPU and GPU keep the scan (one layer compiled)."""
+    """`unroll_layers` with None resolved: unrolled when the traced program targets the CPU (`platform()`), where
+    XLA copies every slice of the stacked weights before its matmuls (docs/benchmarks.md, decode); TPU and GPU
+    keep the scan (one layer compiled)."""
     return platform() == "cpu" if unroll is None else bool(unroll)
 
 

@@ -2,6 +2,7 @@
 pipeline on conversations with images, and every bad input of issue 6 (one clear error, nothing lost)."""
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -136,7 +137,8 @@ def test_jsonl_pipeline_targets_images_and_overlong_policy(tmp_path):
 
 def test_image_cache_gives_the_same_batches_and_processes_each_image_once(tmp_path, monkeypatch):
     """data.image_cache_mb: over three epochs of 4 images the batches equal the uncached pipeline's bit for bit;
-    with room for all, each image is processed once; with room for one, the cache stays within its budget."""
+    with room for all, each image is processed once; with room for one, the cache stays within its budget; a
+    pickled cache (grain worker processes) starts empty."""
     from PIL import Image
 
     from train import data
@@ -167,6 +169,8 @@ def test_image_cache_gives_the_same_batches_and_processes_each_image_once(tmp_pa
         px = one.get(k, lambda: np.full((16, 1536), k, np.float32))
         assert px[0, 0] == k and not px.flags.writeable
     assert list(one.items) == [2] and one.used == px.nbytes
+    copy = pickle.loads(pickle.dumps(one))                                # for grain worker processes: empty
+    assert copy.budget == one.budget and not copy.items and copy.used == 0
 
 
 def test_malformed_line_names_file_and_line_or_is_skipped(tmp_path):

@@ -64,17 +64,20 @@ def test_grad_accumulation_equals_one_big_batch():
         assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-5 * max(np.max(np.abs(np.asarray(a))), 1e-3)
 
 
-def test_unrolled_layers_equal_the_scanned_stack():
-    """train.unroll_layers (null: unrolled on CPU without remat) changes how the layers run, not what they
-    compute: a P = 2 step with images gives the scanned stack's loss and gradients; true with remat is refused."""
+def test_unrolled_layers_and_remat_equal_the_scanned_stack():
+    """train.unroll_layers (null: unrolled on CPU without remat) and train.remat change how the layers run, not
+    what they compute: a P = 2 step with images (its vision features computed once, rematerialised with the
+    layers) gives the scanned stack's loss and gradients; true with remat is refused."""
     assert S.unrolled(make_cfg()) and not S.unrolled(make_cfg(remat="dots"))
-    cfgs = {u: make_cfg(unroll_layers=u) for u in (True, False)}
-    b = Collate(cfgs[True], 8)(samples())
-    params = init_params_numpy(cfgs[True].model, seed=0)
+    cfgs = {"unrolled": make_cfg(unroll_layers=True), "scanned": make_cfg(unroll_layers=False),
+            "remat full": make_cfg(remat="full"), "remat dots": make_cfg(remat="dots")}
+    b = Collate(cfgs["unrolled"], 8)(samples())
+    params = init_params_numpy(cfgs["unrolled"].model, seed=0)
     out = {u: jax.jit(lambda p, b, c=c: S.grads_and_stats(c, p, b))(params, b) for u, c in cfgs.items()}
-    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-6)
-    for a, c in zip(jax.tree.leaves(out[True][0]), jax.tree.leaves(out[False][0])):
-        assert np.max(np.abs(np.asarray(a) - np.asarray(c))) <= 1e-5 * max(np.max(np.abs(np.asarray(a))), 1e-3)
+    for name in ("scanned", "remat full", "remat dots"):
+        np.testing.assert_allclose(out["unrolled"][1], out[name][1], rtol=1e-6)
+        for a, c in zip(jax.tree.leaves(out["unrolled"][0]), jax.tree.leaves(out[name][0])):
+            assert np.max(np.abs(np.asarray(a) - np.asarray(c))) <= 1e-5 * max(np.max(np.abs(np.asarray(a))), 1e-3)
     with pytest.raises(ConfigError, match="unroll_layers: true needs train.remat: none"):
         make_cfg(unroll_layers=True, remat="full")
 

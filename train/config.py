@@ -73,7 +73,7 @@ class DataSection:
     on_malformed: str = "error"         # error | skip: malformed JSONL lines and missing images
     shuffle: bool = True
     num_threads: int = 2                # grain read threads (image decoding)
-    image_cache_mb: int = 0             # keep processed pixels of recently read images, up to this many MB
+    image_cache_mb: int = 0             # keep recently read records' processed pixels, up to this many MiB
     packing: bool = False               # several conversations a row (first-fit), told apart by segment ids
 
 
