@@ -23,7 +23,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .attention import causal
-from .layers import Dense
+from .layers import Dense, token_matmul
 from .rope import mrope_cos_sin
 from .sharding import constrain
 from .text import DeepStack, TextModel, image_features
@@ -108,7 +108,7 @@ class PrismaVLModule(nnx.Module):
         """Final hidden [..., D] → logits [..., V] (tied heads use the embedding table)."""
         if self.lm_head is None:
             w = self.text.embed.embedding[...]
-            logits = jnp.einsum("...d,vd->...v", h, w.astype(h.dtype))
+            logits = token_matmul(h, w.astype(h.dtype), "oi")
         else:
             logits = self.lm_head(h)
         return constrain(logits, ("batch", "seq", "vocab")[-logits.ndim:])

@@ -68,3 +68,26 @@ def test_module_dict_round_trip_gives_identical_logits():
     want = run(graphdef, state)
     np.testing.assert_array_equal(np.asarray(run(g2, nnx.state(merged))), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda p: bind(CFG, p)(*args, **kw))(params)), np.asarray(want))
+
+
+def test_token_matmul_merges_the_token_axes_on_cpu_and_equals_the_einsum():
+    """`token_matmul` (every Dense and the tied head): on the CPU one contraction over a merged token axis, with
+    the values and gradients of the plain einsum (numpy in float64 as the reference)."""
+    from prisma_jax.layers import token_matmul
+    rng = np.random.default_rng(0)
+    for shape, rhs in (((2, 3, 8), "io"), ((2, 3, 4, 8), "oi"), ((0, 5, 8), "io"), ((6, 8), "oi")):
+        x = rng.standard_normal(shape).astype(np.float32)
+        w = rng.standard_normal((8, 5) if rhs == "io" else (5, 8)).astype(np.float32)
+        want = np.einsum(f"...i,{rhs}->...o", x.astype(np.float64), w.astype(np.float64))
+        got = jax.jit(token_matmul, static_argnums=2)(x, w, rhs)
+        assert got.shape == want.shape == shape[:-1] + (5,)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+        eqns = jax.make_jaxpr(token_matmul, static_argnums=2)(x, w, rhs).eqns
+        dots = [e for e in eqns if e.primitive.name == "dot_general"]
+        assert [e.invars[0].aval.ndim for e in dots] == [2]                     # one token axis reaches the dot
+        g = rng.standard_normal(want.shape).astype(np.float32)
+        dx, dw = jax.grad(lambda a, b: jnp.sum(token_matmul(a, b, rhs) * g), argnums=(0, 1))(x, w)
+        w64 = w.astype(np.float64) if rhs == "oi" else w.astype(np.float64).T      # [o, i]
+        np.testing.assert_allclose(np.asarray(dx), np.einsum("...o,oi->...i", g, w64), rtol=1e-5, atol=1e-5)
+        dw_want = g.reshape(-1, 5).T.astype(np.float64) @ x.reshape(-1, 8).astype(np.float64)      # [o, i]
+        np.testing.assert_allclose(np.asarray(dw), dw_want if rhs == "oi" else dw_want.T, rtol=1e-5, atol=1e-5)
