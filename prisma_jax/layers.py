@@ -10,6 +10,8 @@ before the weight; LayerNorm uses the two-pass variance; softmax runs in float32
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,7 @@ def token_matmul(x: jax.Array, w: jax.Array, rhs: str = "io") -> jax.Array:
     spec = f"...i,{rhs}->...o"
     if x.ndim <= 2 or platform() != "cpu":
         return jnp.einsum(spec, x, w)
-    tokens = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+    tokens = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     return jnp.einsum(spec, tokens, w).reshape(*x.shape[:-1], w.shape[rhs.index("o")])
 
 

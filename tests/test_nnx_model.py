@@ -91,3 +91,22 @@ def test_token_matmul_merges_the_token_axes_on_cpu_and_equals_the_einsum():
         np.testing.assert_allclose(np.asarray(dx), np.einsum("...o,oi->...i", g, w64), rtol=1e-5, atol=1e-5)
         dw_want = g.reshape(-1, 5).T.astype(np.float64) @ x.reshape(-1, 8).astype(np.float64)      # [o, i]
         np.testing.assert_allclose(np.asarray(dw), dw_want if rhs == "oi" else dw_want.T, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_and_its_adapter_reach_xla_cpu_as_one_token_axis_and_other_platforms_keep_the_einsum(monkeypatch):
+    """The wiring: a Dense with a LoRA adapter runs every matmul over one token axis on the CPU; a program traced
+    for another platform (an ahead-of-time TPU plan from this host) keeps the [B, S, i] einsum."""
+    from types import SimpleNamespace
+
+    import prisma_jax.layers as layers
+    dense = layers.Dense(8, 5, ("hidden", "mlp"), bias=False, lora=SimpleNamespace(rank=2, scale=0.5),
+                         rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 3, 8))
+
+    def lhs_ranks():
+        eqns = jax.make_jaxpr(lambda x: dense(x))(x).eqns
+        return [e.invars[0].aval.ndim for e in eqns if e.primitive.name == "dot_general"]
+
+    assert lhs_ranks() == [2, 2, 2]                               # the kernel, then the adapter's a and b
+    monkeypatch.setattr(layers, "platform", lambda: "tpu")
+    assert lhs_ranks() == [3, 3, 3]
