@@ -70,6 +70,11 @@ def test_module_dict_round_trip_gives_identical_logits():
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda p: bind(CFG, p)(*args, **kw))(params)), np.asarray(want))
 
 
+def dot_lhs_ranks(fn, *args) -> list[int]:
+    """The rank of the left operand of each dot in `fn`'s jaxpr: 2 when one token axis reaches the matmul."""
+    return [e.invars[0].aval.ndim for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "dot_general"]
+
+
 def test_token_matmul_merges_the_token_axes_on_cpu_and_equals_the_einsum():
     """`token_matmul` (every Dense and the tied head): on the CPU one contraction over a merged token axis, with
     the values and gradients of the plain einsum (numpy in float64 as the reference)."""
@@ -82,9 +87,7 @@ def test_token_matmul_merges_the_token_axes_on_cpu_and_equals_the_einsum():
         got = jax.jit(token_matmul, static_argnums=2)(x, w, rhs)
         assert got.shape == want.shape == shape[:-1] + (5,)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-        eqns = jax.make_jaxpr(token_matmul, static_argnums=2)(x, w, rhs).eqns
-        dots = [e for e in eqns if e.primitive.name == "dot_general"]
-        assert [e.invars[0].aval.ndim for e in dots] == [2]                     # one token axis reaches the dot
+        assert dot_lhs_ranks(lambda x, w: token_matmul(x, w, rhs), x, w) == [2]   # one token axis reaches the dot
         g = rng.standard_normal(want.shape).astype(np.float32)
         dx, dw = jax.grad(lambda a, b: jnp.sum(token_matmul(a, b, rhs) * g), argnums=(0, 1))(x, w)
         w64 = w.astype(np.float64) if rhs == "oi" else w.astype(np.float64).T      # [o, i]
@@ -102,11 +105,6 @@ def test_dense_and_its_adapter_reach_xla_cpu_as_one_token_axis_and_other_platfor
     dense = layers.Dense(8, 5, ("hidden", "mlp"), bias=False, lora=SimpleNamespace(rank=2, scale=0.5),
                          rngs=nnx.Rngs(0))
     x = jnp.ones((2, 3, 8))
-
-    def lhs_ranks():
-        eqns = jax.make_jaxpr(lambda x: dense(x))(x).eqns
-        return [e.invars[0].aval.ndim for e in eqns if e.primitive.name == "dot_general"]
-
-    assert lhs_ranks() == [2, 2, 2]                               # the kernel, then the adapter's a and b
+    assert dot_lhs_ranks(lambda x: dense(x), x) == [2, 2, 2]       # the kernel, then the adapter's a and b
     monkeypatch.setattr(layers, "platform", lambda: "tpu")
-    assert lhs_ranks() == [3, 3, 3]
+    assert dot_lhs_ranks(lambda x: dense(x), x) == [3, 3, 3]
