@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -231,9 +234,9 @@ def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
 
 def multihost_loop(tcfg, d: str) -> dict:
     """train/loop.py on both processes (the config and compiled step above): a straight run of `SFT_STEPS`
-    steps, and a run stopped after step 1 then resumed to the end, in workdirs both processes share. Returns
-    this process's view: each run's metrics lines (only process 0 writes them) and the per-process data
-    states of the resumed run's checkpoints."""
+    steps, a run stopped after step 1 then resumed to the end, and a run that process 1 alone gets a SIGTERM
+    in, in workdirs both processes share. Returns this process's view: each run's metrics lines (only process
+    0 writes them), the per-process data states of each run's checkpoints, and the preempted run's last step."""
     import jax
     from jax.experimental import multihost_utils
 
@@ -242,20 +245,50 @@ def multihost_loop(tcfg, d: str) -> dict:
     out: dict = {}
     quiet = dict(progress=False, log=lambda *a: None)
     for name, stops in (("straight", [None]), ("resumed", [1, None])):
-        wd = os.path.join(d, f"loop_{name}")
-        if jax.process_index() == 0:   # the data the test generated (train/tiny_sft.py finds it there)
-            os.makedirs(wd, exist_ok=True)
-            os.symlink(os.path.join(d, "tiny_sft_data"), os.path.join(wd, "tiny_sft_data"))
-        multihost_utils.sync_global_devices(f"workdir {name}")
+        wd = _shared_workdir(d, f"loop_{name}")
         for stop in stops:
             loop.run(tcfg, wd, stop_at=stop, **quiet)
         with open(os.path.join(wd, "metrics.jsonl")) as f:
             out[name] = [json.loads(line) for line in f]
-        ck = os.path.join(wd, "checkpoints")
-        out[f"{name}_data_states"] = {
-            step: {n: json.load(open(os.path.join(ck, step, "data", n))) for n in sorted(os.listdir(
-                os.path.join(ck, step, "data"))) if n.endswith(".json")} for step in os.listdir(ck) if step.isdigit()}
+        out[f"{name}_data_states"] = _data_states(wd)
+    # a SIGTERM to process 1 alone, once process 0 has logged two steps: both processes stop after one common
+    # step (JAX's preemption sync point) and save it together, each its own data position
+    wd = _shared_workdir(d, "loop_preempted")
+    if jax.process_index() == 1:
+        threading.Thread(target=_sigterm_after_two_logged_steps, args=(os.path.join(wd, "metrics.jsonl"),),
+                         daemon=True).start()
+    out["preempted_last"] = loop.run(tcfg, wd, stop_at=PREEMPT_STEPS, **quiet)["step"]
+    multihost_utils.sync_global_devices("preempted run saved")
+    out["preempted_data_states"] = _data_states(wd)
     return out
+
+
+PREEMPT_STEPS = 400
+
+
+def _shared_workdir(d: str, name: str) -> str:
+    import jax
+    from jax.experimental import multihost_utils
+
+    wd = os.path.join(d, name)
+    if jax.process_index() == 0:   # the data the test generated (train/tiny_sft.py finds it there)
+        os.makedirs(wd, exist_ok=True)
+        os.symlink(os.path.join(d, "tiny_sft_data"), os.path.join(wd, "tiny_sft_data"))
+    multihost_utils.sync_global_devices(f"workdir {name}")
+    return wd
+
+
+def _data_states(wd: str) -> dict:
+    """{step: {file name: JSON}} of each checkpoint's per-process data positions."""
+    ck = os.path.join(wd, "checkpoints")
+    return {step: {n: json.load(open(os.path.join(ck, step, "data", n))) for n in sorted(os.listdir(
+        os.path.join(ck, step, "data"))) if n.endswith(".json")} for step in os.listdir(ck) if step.isdigit()}
+
+
+def _sigterm_after_two_logged_steps(metrics: str) -> None:
+    while not (os.path.isfile(metrics) and len(open(metrics).readlines()) >= 2):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def scenario_tpu(out: str) -> None:

@@ -1,7 +1,8 @@
 """Two processes × 4 CPU devices on localhost (`jax.distributed.initialize`): training steps on tiny_sft
 (conversations with images) with each host feeding its own rows and their images, an Orbax save from both
 hosts, and a restore in two fresh processes give the numbers of one process on one device fed the same rows;
-the training loop on both processes writes one metrics line a step and resumes each host's data position."""
+the training loop on both processes writes one metrics line a step, resumes each host's data position, and
+stops both processes after one common step, which both save, when one of them gets a SIGTERM."""
 import json
 import os
 import socket
@@ -107,4 +108,10 @@ def test_two_hosts_train_save_restore_match_one_process(tmp_path):
         for step, files in states.items():
             assert files == {f"process_{i}-of-2.json": {"next_index": rows * int(step)} for i in range(2)}, step
     assert [m["loss"] for m in lp["resumed"]] == [m["loss"] for m in lp["straight"]]
+    # SIGTERM to process 1 alone: both stop after the same step and save it, each process its own data position
+    last = lp["preempted_last"]
+    assert trained[1]["loop"]["preempted_last"] == last and 2 <= last < W.PREEMPT_STEPS
+    states = lp["preempted_data_states"]
+    assert max(map(int, states)) == last
+    assert states[str(last)] == {f"process_{i}-of-2.json": {"next_index": rows * last} for i in range(2)}
     assert lp["straight"][-1]["loss"] < lp["straight"][0]["loss"]

@@ -80,6 +80,28 @@ def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
     assert [m["step"] for m in losses(wd)] == list(range(1, last + 2))
 
 
+def test_sigterm_during_a_save_call_stops_after_the_next_step_and_saves_it(tmp_path, monkeypatch):
+    """The loop reads the preemption flag once a step: a SIGTERM that lands inside step 2's (skipped) save call
+    is acted on after step 3, which is saved, and never reported as a save of step 2 that did not happen."""
+    import orbax.checkpoint as ocp
+    original = ocp.CheckpointManager.save
+
+    def save(self, step, *a, **k):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)       # the handler runs here, inside the save call
+        return original(self, step, *a, **k)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    cfg = small(train__batch_size=2, train__seq_len=16, checkpoint__every=1000)
+    wd = str(tmp_path / "run")
+    said, before = [], signal.getsignal(signal.SIGTERM)
+    last = run(cfg, wd, progress=False, log=said.append)
+    assert last["step"] == 3 and [m["step"] for m in losses(wd)] == [1, 2, 3]
+    assert said[-1] == "SIGTERM: saved step 3, exiting"
+    assert sorted(d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == ["1", "3"]
+    assert signal.getsignal(signal.SIGTERM) is before      # the caller's handler is back
+
+
 # ------------------------------------------------------------------------------------------- bad inputs
 
 

@@ -16,7 +16,8 @@ Running again with the same DIR resumes from its latest checkpoint; with the sam
 those of an uninterrupted run bit for bit (the step is deterministic, the state and the iterator position
 are restored exactly). `stop_at` (the CLI's `--steps N`) ends the run after global step N without touching
 the schedule, which `train.steps` defines. SIGTERM (a TPU preemption notice) lets the current step finish,
-saves, and returns normally (exit 0).
+saves, and returns normally (exit 0); on several processes a SIGTERM to any of them stops all of them after
+one common step (JAX's preemption sync point), which each saves.
 
 On several processes (one per host) every process runs this loop on its own rows (`process_index::process_count`
 of the records): the metrics are the mesh's global values, so process 0 alone writes them (and shows the
@@ -38,6 +39,7 @@ import grain.checkpoint
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from prisma_jax.sharding import batch_shards
 
@@ -46,12 +48,27 @@ from .config import Config
 from .step import TrainState, init_lora, init_state, make_train_step
 
 
-class _Preempted:
-    def __init__(self):
-        self.flag = False
+class _Preemption:
+    """When to save and stop early. One process: a SIGTERM handler sets a flag. Several processes: JAX's
+    preemption sync manager (started by `jax.distributed.initialize`, with its own SIGTERM handler, which a
+    Python handler would replace) names one step, the same on every process, once any of them is signalled;
+    every process then saves that step, so their collectives and Orbax's barriers stay paired. `reached` is
+    asked once per step, after the step."""
 
-    def __call__(self, signum, frame):
+    def __init__(self):
+        self.shared = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
+        self.flag = False
+        self.old = None if self.shared else signal.signal(signal.SIGTERM, self._signalled)
+
+    def _signalled(self, signum, frame):
         self.flag = True
+
+    def reached(self, step: int) -> bool:
+        return multihost_utils.reached_preemption_sync_point(step) if self.shared else self.flag
+
+    def close(self):
+        if not self.shared:
+            signal.signal(signal.SIGTERM, self.old)
 
 
 CHECKPOINT_ITEMS = ("state", "data", "meta")
@@ -249,8 +266,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
     if base is not None:
         meta["base"] = base_identity(cfg)
     step_fn = compiled_step(cfg, state.params, mesh)
-    preempted = _Preempted()
-    old = signal.signal(signal.SIGTERM, preempted)
+    preemption = _Preemption()
     writer = SummaryWriter(os.path.join(workdir, "tb")) if chief else None
     bar = tqdm(total=stop_at, initial=start, disable=not (progress and chief), file=sys.stderr, desc="train",
                unit="step")
@@ -293,14 +309,14 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                             writer.add_scalar(f"train/{k}", v, step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
-                done = step == stop_at or preempted.flag
-                save(step, state, data_state, force=done)
-                if preempted.flag:
+                stop = preemption.reached(step)   # read once: the save below and the exit agree
+                save(step, state, data_state, force=stop or step == stop_at)
+                if stop:
                     log(f"SIGTERM: saved step {step}, exiting")
                     break
         mngr.wait_until_finished()
     finally:
-        signal.signal(signal.SIGTERM, old)
+        preemption.close()
         bar.close()
         if writer is not None:
             writer.close()
