@@ -2,6 +2,7 @@
 numbers of the whole-sequence logits — the chunked head against torch, then a train step's codes (bit for bit),
 loss, code statistics and gradients against `logits_chunk: 0` (untied and tied heads, LoRA, a chunk that does not
 divide the sequence), then a `prisma train` run."""
+import functools
 import json
 import os
 
@@ -78,13 +79,10 @@ def _step_numbers(cfg, batch, params, base):
     return np.asarray(codes), float(loss), {k: float(v) for k, v in st.items()}, g
 
 
-@pytest.mark.parametrize("case,chunk", [("untied", 8), ("untied", 7), ("tied", 5), ("lora", 7)])
-def test_chunked_step_equals_whole_logits(case, chunk):
-    """Codes bit for bit (P = 3: the chunked codes of pass 2 feed pass 3), the loss and every gradient leaf
-    within 1e-6 relative to the leaf's largest entry, the code statistics exactly. S = 24: chunks of 8 divide
-    it, of 7 and 5 do not (the last chunk is padded). The head is scaled ×40 (a tied one ×4) so that next-token distributions
-    are peaked and the codes vary from position to position (random init gives near-uniform ones: all L − 2)."""
-    cfg0, cfgc = _case_cfg(case, 0), _case_cfg(case, chunk)
+@functools.lru_cache(maxsize=1)
+def _whole(case):
+    """The case's batch, params, base and whole-logits step numbers (shared by both untied chunks)."""
+    cfg0 = _case_cfg(case, 0)
     batch = Collate(cfg0, 8)(samples())
     if case == "lora":
         state, base = S.init_lora(cfg0)
@@ -98,8 +96,18 @@ def test_chunked_step_equals_whole_logits(case, chunk):
         head = params["text"]["embed"]["embedding"] if case == "tied" else params["lm_head"]["kernel"]
         head *= 4.0 if case == "tied" else 40.0      # tied: the table is the input embedding too
         params = jax.tree.map(jnp.asarray, params)
-    c0, l0, st0, g0 = _step_numbers(cfg0, batch, params, base)
-    cc, lc, stc, gc = _step_numbers(cfgc, batch, params, base)
+    return batch, params, base, _step_numbers(cfg0, batch, params, base)
+
+
+@pytest.mark.parametrize("case,chunk", [("untied", 8), ("untied", 7), ("tied", 5), ("lora", 7)])
+def test_chunked_step_equals_whole_logits(case, chunk):
+    """Codes bit for bit (P = 3: the chunked codes of pass 2 feed pass 3), the loss and every gradient leaf
+    within 1e-6 relative to the leaf's largest entry, the code statistics exactly. S = 24: chunks of 8 divide
+    it, of 7 and 5 do not (the last chunk is padded). The head is scaled ×40 (a tied one ×4) so that next-token
+    distributions are peaked and the codes vary from position to position (random init gives near-uniform ones:
+    all L − 2)."""
+    batch, params, base, (c0, l0, st0, g0) = _whole(case)
+    cc, lc, stc, gc = _step_numbers(_case_cfg(case, chunk), batch, params, base)
     assert (c0 >= 0).sum() > 0 and len(np.unique(c0[c0 >= 0])) > 3        # real, varied codes
     np.testing.assert_array_equal(cc, c0)
     assert abs(lc - l0) <= 1e-6 * abs(l0), (lc, l0)
