@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not unverified" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not unverified" tests
 
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/prisma demo   # the demo is a laptop-CPU run

@@ -46,7 +46,7 @@ def test_freed_large_blocks_are_reused_without_page_faults():
     assert tuned < off / 20, (tuned, off)
 
 
-# logits of a forward pass, a generation's tokens and codes, and two (text-only) training steps' losses and params
+# logits of a forward pass, a generation's tokens and codes, and two training steps' losses and params
 RESULTS = f"""
 import hashlib, numpy as np, prisma_jax, jax
 from prisma_jax import PrismaVL
@@ -57,8 +57,7 @@ ids = np.random.default_rng(0).integers(10, m.config.text.vocab_size, (2, 12))
 h = hashlib.sha256(np.asarray(m.forward(ids)).tobytes())
 g = m.generate(ids, max_new_tokens=6)
 h.update(np.asarray(g.tokens).tobytes()); h.update(np.asarray(g.codes).tobytes())
-cfg, _ = load_train_config({os.path.join(ROOT, "configs", "tiny_sft.yaml")!r},
-                           ["data.source=synthetic", "data.max_images=0"])
+cfg, _ = load_train_config({os.path.join(ROOT, "configs", "tiny_sft.yaml")!r}, ["data.source=synthetic"])
 ds, _ = data.build(cfg, {{workdir!r}})
 it, st = iter(ds), S.init_state(cfg)
 fn = jax.jit(S.make_train_step(cfg, st.params), donate_argnums=0)
