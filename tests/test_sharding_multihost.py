@@ -30,7 +30,12 @@ def _two_processes(mode: str, d: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sharding_worker.py"), mode, str(port), str(i),
                                outs[i]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    errs = [p.communicate(timeout=2400)[1] for p in procs]
+    try:
+        errs = [p.communicate(timeout=1200)[1] for p in procs]
+    finally:                 # a hung pair (say, hosts that stopped at different steps) is killed, not left running
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     for p, e in zip(procs, errs):
         assert p.returncode == 0, e[-3000:]
     res = []

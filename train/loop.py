@@ -49,22 +49,22 @@ from .step import TrainState, init_lora, init_state, make_train_step
 
 
 class _Preemption:
-    """When to save and stop early. One process: a SIGTERM handler sets a flag. Several processes: JAX's
-    preemption sync manager (started by `jax.distributed.initialize`, with its own SIGTERM handler, which a
-    Python handler would replace) names one step, the same on every process, once any of them is signalled;
-    every process then saves that step, so their collectives and Orbax's barriers stay paired. `reached` is
-    asked once per step, after the step."""
+    """When to save and stop early; `reached` is asked once per step, after the step. One process: a SIGTERM
+    handler sets a flag. Several processes: JAX's preemption sync manager (started by `jax.distributed.initialize`,
+    with its own SIGTERM handler, which a Python one would replace) names one step, the same on every process, once
+    any of them is signalled; every process then saves that step, so their collectives and Orbax's barriers stay
+    paired. It is asked with this run's own step count (1, 2, ...): a notice that comes before the first step (during
+    a restore or the compile) names step 1, whatever step the run resumed from."""
 
-    def __init__(self):
-        self.shared = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
-        self.flag = False
+    def __init__(self, start: int):
+        self.shared, self.start, self.flag = jax.process_count() > 1, start, False
         self.old = None if self.shared else signal.signal(signal.SIGTERM, self._signalled)
 
     def _signalled(self, signum, frame):
         self.flag = True
 
     def reached(self, step: int) -> bool:
-        return multihost_utils.reached_preemption_sync_point(step) if self.shared else self.flag
+        return multihost_utils.reached_preemption_sync_point(step - self.start) if self.shared else self.flag
 
     def close(self):
         if not self.shared:
@@ -78,11 +78,20 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager without its own questions to JAX's preemption sync manager (it asks in `should_save`, `save`
+    and its finalize thread, with checkpoint step numbers, which would move the sync point): the loop alone asks,
+    once a step (`_Preemption`), and forces that step's save."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 def _manager(cfg: Config, workdir: str) -> ocp.CheckpointManager:
     k = cfg.checkpoint
     opts = ocp.CheckpointManagerOptions(save_interval_steps=k.every, max_to_keep=k.keep,
                                         enable_async_checkpointing=k.asynchronous)
-    return ocp.CheckpointManager(checkpoint_dir(workdir), options=opts, item_names=CHECKPOINT_ITEMS)
+    return _Manager(checkpoint_dir(workdir), options=opts, item_names=CHECKPOINT_ITEMS)
 
 
 class _Position:
@@ -240,6 +249,9 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
             raise ValueError(f"train.batch_size {t.batch_size} / train.grad_accum {t.grad_accum} = "
                              f"{t.batch_size // t.grad_accum} rows per micro-batch is not a multiple of the mesh's "
                              f"{n} batch shards (data × fsdp of {dict(mesh.shape)})")
+    if jax.process_count() > 1 and not jax.config.jax_enable_preemption_service:
+        raise ValueError("training on several processes needs JAX's preemption service (jax_enable_preemption_service, "
+                         "on by default), so that a SIGTERM stops every process after the same step")
     dataset, info = data_mod.build(cfg, workdir)
     iterator = iter(dataset)
     mngr = _manager(cfg, workdir)
@@ -266,7 +278,6 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
     if base is not None:
         meta["base"] = base_identity(cfg)
     step_fn = compiled_step(cfg, state.params, mesh)
-    preemption = _Preemption()
     writer = SummaryWriter(os.path.join(workdir, "tb")) if chief else None
     bar = tqdm(total=stop_at, initial=start, disable=not (progress and chief), file=sys.stderr, desc="train",
                unit="step")
@@ -282,6 +293,7 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
         b = next(iterator)
         return b, iterator.get_state()                 # position after this batch = after its step
 
+    preemption = _Preemption(start)
     try:
         with open(metrics_path if chief else os.devnull, "a") as mf:
             batch, next_data_state = fetch()
