@@ -1,7 +1,8 @@
 """Training throughput: prisma-jax's train step on configs/bench_58m.yaml vs transformers + torch.optim.AdamW.
 
     .venv/bin/python benchmarks/train.py [--config configs/bench_58m.yaml] [--steps 8] [--warmup 2] [--skip-torch]
-                                         [--device auto|cpu|cuda] [--profile [--top 15]] [section.key=value ...]
+                                         [--device auto|cpu|cuda] [--profile [--top 15]] [--head-gemms]
+                                         [section.key=value ...]
 
 Both sides: the same dimensions (Qwen3 text decoder, 8 × 512, V = 32,000, untied), the same batch
 (B × S random tokens, every position supervised), float32, AdamW with global-norm clipping. The JAX side is
@@ -20,6 +21,8 @@ Prints one Markdown table row per side and a JSON line.
 fusions XLA:CPU builds around one —, copies and transposes, and the rest), transformers' under
 `torch.profiler` (self time by aten op), and prints each side's op kinds and largest ops beside its unprofiled
 step time: the profilers add their own cost, so shares are the numbers to read.
+`--head-gemms` instead times the LM head's three GEMMs (forward, input and weight gradients) at the step's
+shapes, each jitted alone against torch's `mm` on the same arrays.
 Both sides run under the host-allocator settings that importing prisma_jax applies (prisma_jax/runtime.py;
 `PRISMA_MALLOC_TUNING=0` turns them off).
 """
@@ -265,6 +268,26 @@ def profile_torch(cfg, steps: int, top: int) -> dict:
     return {"phases": phase, "traced_step_s": traced, "ops": ops, "kind": _torch_kind, "top": top}
 
 
+def head_gemms(cfg, n: int = 5) -> None:
+    """`--head-gemms`: the LM head's three float32 GEMMs at the step's shapes (T tokens, hidden D, vocabulary V),
+    each jitted alone in JAX against torch's `mm` on the same arrays, best of `n` after an untimed call."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    t, d, v = cfg.train.batch_size * cfg.train.seq_len, cfg.model.text.hidden_size, cfg.model.text.vocab_size
+    rng = np.random.default_rng(0)
+    h, w, g = (rng.standard_normal(shape, np.float32) for shape in ((t, d), (d, v), (t, v)))
+    cases = (("forward [T, D] · [D, V]", "td,dv->tv", (h, w), lambda a, b: a @ b),
+             ("input gradient [T, V] · [V, D]", "tv,dv->td", (g, w), lambda a, b: a @ b.t()),
+             ("weight gradient [D, T] · [T, V]", "td,tv->dv", (h, g), lambda a, b: a.t() @ b))
+    print(f"T = {t}, D = {d}, V = {v}\n| matmul | XLA:CPU (s) | torch (s) |\n| --- | --- | --- |")
+    for name, spec, args, torch_mm in cases:
+        f, xs = jax.jit(lambda a, b, spec=spec: jnp.einsum(spec, a, b)), [jnp.asarray(x) for x in args]
+        ts = [torch.from_numpy(x) for x in args]
+        print(f"| {name} | {_best(lambda: jax.block_until_ready(f(*xs)), n):.3f} "
+              f"| {_best(lambda: torch_mm(*ts), n):.3f} |", flush=True)
+
+
 def print_phases(jax_r: dict, torch_r: dict) -> None:
     j, t = jax_r["phases"], torch_r["phases"]
     print("| phase | prisma-jax (s) | transformers (s) | speed-up (transformers ÷ prisma-jax) |\n"
@@ -302,6 +325,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="instead: where each side's step goes, op by op (jax.profiler / torch.profiler, CPU)")
     ap.add_argument("--top", type=int, default=15, help="with --profile: the largest ops listed")
+    ap.add_argument("--head-gemms", action="store_true",
+                    help="instead: the LM head's three GEMMs at the step's shapes, XLA:CPU against torch's mm")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     import jax
@@ -309,6 +334,9 @@ def main(argv=None):
 
     from train.config import load_train_config
     cfg, _ = load_train_config(a.config, a.overrides)
+    if a.head_gemms:
+        head_gemms(cfg)
+        return
     if a.profile:
         jr = profile_jax(cfg, a.steps, a.top)
         tr = None if a.skip_torch else profile_torch(cfg, a.steps, a.top)
