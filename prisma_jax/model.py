@@ -23,7 +23,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .attention import causal
-from .layers import Dense, token_matmul
+from .layers import Dense, Embed, token_matmul
 from .rope import mrope_cos_sin
 from .sharding import constrain
 from .text import DeepStack, TextModel, image_features
@@ -104,14 +104,13 @@ class PrismaVLModule(nnx.Module):
             mask = causal(batch.attention_mask if key_valid is None else key_valid, write_pos, x.shape[1])
         return self.text(x, cos, sin, mask, cache, write_pos, ds, remat_policy)
 
+    def head_module(self) -> nnx.Module:
+        """The module whose params the head reads: `lm_head`, or the embedding when tied (`head_logits`)."""
+        return self.text.embed if self.lm_head is None else self.lm_head
+
     def head(self, h: jax.Array) -> jax.Array:
         """Final hidden [..., D] → logits [..., V] (tied heads use the embedding table)."""
-        if self.lm_head is None:
-            w = self.text.embed.embedding[...]
-            logits = token_matmul(h, w.astype(h.dtype), "oi")
-        else:
-            logits = self.lm_head(h)
-        return constrain(logits, ("batch", "seq", "vocab")[-logits.ndim:])
+        return head_logits(self.head_module(), h)
 
     def __call__(self, input_ids, attention_mask=None, positions=None, codes_in=None, pixel_values=None,
                  geometry=None) -> jax.Array:
@@ -159,6 +158,16 @@ def hidden(cfg: ModelConfig, params: dict, batch: Batch, cache=None, write_pos=0
            remat_policy=None):
     """`PrismaVLModule.hidden` on a param dict."""
     return bind(cfg, params).hidden(batch, cache, write_pos, key_valid, remat_policy)
+
+
+def head_logits(module: nnx.Module, h: jax.Array) -> jax.Array:
+    """Logits [..., V] of final hidden states [..., D] from `PrismaVLModule.head_module()`: the `lm_head` Dense, or
+    the tied embedding table [V, D]."""
+    if isinstance(module, Embed):
+        logits = token_matmul(h, module.embedding[...].astype(h.dtype), "oi")
+    else:
+        logits = module(h)
+    return constrain(logits, ("batch", "seq", "vocab")[-logits.ndim:])
 
 
 def head(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:

@@ -48,6 +48,7 @@ class TrainSection:
     lora: object = None                 # None: full fine-tuning; {rank, alpha, targets, dropout} (→ LoraSpec)
     logits_chunk: int = 0               # tokens a chunk of the head + loss (train/step.py `head_xent`); 0 = whole S
     unroll_layers: bool | None = None   # decoder layers unrolled, not scanned; null = on CPU without remat (step.py)
+    fused_loss: bool | None = None      # head + loss gradients computed chunk by chunk in the forward; null = on CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,7 @@ def _check(c: Config) -> Config:
     need(t.logits_chunk >= 0, f"train.logits_chunk must be ≥ 0 (0 = no chunks), got {t.logits_chunk}")
     need(t.unroll_layers in (None, True, False), f"train.unroll_layers must be true, false or null, "
          f"got {t.unroll_layers!r}")
+    need(t.fused_loss in (None, True, False), f"train.fused_loss must be true, false or null, got {t.fused_loss!r}")
     need(not (t.unroll_layers is True and t.remat != "none"),
          f"train.unroll_layers: true needs train.remat: none (remat applies to the scanned layers), got {t.remat!r}")
     bad = [g for g in t.freeze if g not in FREEZE_GROUPS]

@@ -3,7 +3,8 @@
     for each micro-batch (lax.scan over grad_accum):
         codes ← prompt rule;  P−1 stop-gradient passes: codes ← shift_codes(code(logits))   (INTROSPECTION §4)
         last pass with gradients: logits → cross-entropy over learned targets (sum; NO_LOSS feeds codes only)
-        (every pass's head + loss/entropy: `head_xent`, in sequence chunks of `train.logits_chunk`)
+        (every pass's head + loss/entropy: `head_xent`, in sequence chunks of `train.logits_chunk`; the last
+         pass's on CPU: `fused_head_xent`, its gradients computed chunk by chunk in the forward)
     grads / (learned tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
 
 Weight decay (decoupled, AdamW's) applies to kernels and embedding tables (the uncertainty table included),
@@ -28,9 +29,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from prisma_jax.lora import is_adapter
-from prisma_jax.model import Batch, bind
+from prisma_jax.model import Batch, bind, head_logits
 from prisma_jax.params import TABLE_PATH, init_params
 from prisma_jax.quantize import refuse_training
 from prisma_jax.sharding import constrain
@@ -305,16 +307,118 @@ def head_xent(model, h: jax.Array, targets: jax.Array, chunk: int = 0):
     def one(h, t):
         return xent_and_entropy(model.head(h).astype(jnp.float32), t)
 
-    b, s = targets.shape
-    if not chunk or chunk >= s:
+    if not chunk or chunk >= targets.shape[1]:
         return one(h, targets)
+    hs, ts, unchunk = _chunks(h, targets, chunk)
+    out = jax.lax.map(lambda x: jax.checkpoint(one, prevent_cse=False)(*x), (hs, ts))
+    return tuple(map(unchunk, out))
+
+
+def _chunks(h: jax.Array, targets: jax.Array, chunk: int):
+    """h [b, S, D] and targets [b, S] cut into n sequence chunks of `chunk` positions, chunk-major ([n, b, chunk,
+    ...]; the last chunk padded with zero hidden states and target IGNORE), and `unchunk`, which maps a per-chunk
+    result [n, b, chunk, ...] back to [b, S, ...] (padding dropped)."""
+    b, s, d = h.shape
     n = -(-s // chunk)
     pad = n * chunk - s
-    hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
+    hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
     ts = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=IGNORE).reshape(b, n, chunk).swapaxes(0, 1)
-    hs = constrain(hs, (None, "batch", "seq", "embed"))
-    out = jax.lax.map(lambda x: jax.checkpoint(one, prevent_cse=False)(*x), (hs, ts))
-    return tuple(y.swapaxes(0, 1).reshape(b, n * chunk)[:, :s] for y in out)
+
+    def unchunk(y):
+        return y.swapaxes(0, 1).reshape(b, n * chunk, *y.shape[3:])[:, :s]
+    return constrain(hs, (None, "batch", "seq", "embed")), ts, unchunk
+
+
+FUSED_TOKENS = 512   # tokens (rows × positions) a chunk of the fused loss takes when `train.logits_chunk` is 0
+
+
+def fused(cfg: Config) -> bool:
+    """`train.fused_loss`, null resolved: on when the step targets the CPU (docs/training.md, "The fused loss")."""
+    f = cfg.train.fused_loss
+    return unroll_default(None) if f is None else f
+
+
+def _chunked(head, params, h, targets, chunk: int, live=None):
+    """`fused_head_xent`'s loop: a `lax.scan` over sequence chunks of `chunk` positions (`_chunks`) → (Σ loss,
+    entropy [b, S]) and, when `live` (a bool per leaf of `params`: the leaves differentiated) is given, the
+    gradients of Σ loss: the live leaves' summed over chunks in float32 (None for the others), h's."""
+    hs, ts, unchunk = _chunks(h, targets, chunk)
+    leaves, tree = jax.tree.flatten(params)
+    on = [i for i, x in enumerate(jax.tree.leaves(live)) if x] if live is not None else []
+
+    def head_of_live(vals, x):                           # the head as a function of the live leaves only
+        full = list(leaves)
+        for i, v in zip(on, vals):
+            full[i] = v
+        return head(jax.tree.unflatten(tree, full), x)
+
+    def body(carry, x):
+        hc, tc = x
+        if live is None:
+            loss, ent = xent_and_entropy(head(params, hc), tc)
+            return carry + jnp.sum(loss), (ent,)
+        logits, pull = jax.vjp(head_of_live, [leaves[i] for i in on], hc)
+        (loss, ent), res = _xent_fwd(logits, tc)
+        d_live, d_h = pull(_xent_bwd(res, (jnp.ones_like(loss), None))[0])
+        total, acc = carry
+        return (total + jnp.sum(loss), [a + g.astype(jnp.float32) for a, g in zip(acc, d_live)]), (ent, d_h)
+
+    zero = jnp.zeros((), jnp.float32)
+    carry = zero if live is None else (zero, [jnp.zeros(leaves[i].shape, jnp.float32) for i in on])
+    carry, ys = jax.lax.scan(body, carry, (hs, ts))
+    if live is None:
+        return carry, unchunk(ys[0])
+    total, d_live = carry
+    grads = [None] * len(leaves)
+    for i, g in zip(on, d_live):
+        grads[i] = g.astype(leaves[i].dtype)
+    return total, unchunk(ys[0]), jax.tree.unflatten(tree, grads), unchunk(ys[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def fused_head_xent(head, params, h: jax.Array, targets: jax.Array, chunk: int):
+    """(Σ cross-entropy over learned targets, entropy [b, S] (no gradient)) of the float32 logits `head(params, h)`,
+    h [b, S, D], over sequence chunks of `chunk` positions: `head_xent` summed, with its gradients computed in the
+    forward pass. Each chunk's logits give its loss, entropy and softmax, and at once the gradients of the loss
+    with respect to the head's params (summed over chunks in float32; only the params that are differentiated:
+    a frozen or LoRA base head costs no weight gradient) and to the chunk's hidden states; the backward pass only
+    scales those by the loss's cotangent. No `[b, S, V]` array is ever held and no head matmul is recomputed (the
+    fused linear cross-entropy of Liger-Kernel, MaxText's vocabulary tiling without its recompute). Per position
+    the numbers are `head_xent`'s; the head's gradient is summed chunk by chunk (tests/test_logits_chunk.py)."""
+    return _chunked(head, params, h, targets, chunk)
+
+
+def _fused_fwd(head, params, h, targets, chunk):
+    value = lambda x: x.value                                                          # noqa: E731
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)         # noqa: E731
+    live = jax.tree.map(lambda x: x.perturbed, params, is_leaf=is_primal)
+    total, ent, d_params, d_h = _chunked(head, jax.tree.map(value, params, is_leaf=is_primal), h.value,
+                                         targets.value, chunk, live)
+    return (total, ent), (d_params, d_h)
+
+
+def _fused_bwd(head, chunk, res, g):
+    d_params, d_h = res
+    scale = lambda x: (g[0] * x).astype(x.dtype)                                        # noqa: E731
+    return jax.tree.map(scale, d_params), scale(d_h), None
+
+
+fused_head_xent.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+
+def loss_and_entropy(cfg: Config, model, h: jax.Array, targets: jax.Array):
+    """(Σ cross-entropy over learned targets, entropy [b, S]) of the loss pass: `fused_head_xent` when
+    `fused(cfg)`, in chunks of `train.logits_chunk` positions or else of `FUSED_TOKENS` tokens; `head_xent`
+    otherwise."""
+    chunk = cfg.train.logits_chunk
+    if not fused(cfg):
+        loss, ent = head_xent(model, h, targets, chunk)
+        return jnp.sum(loss), ent
+    graphdef, params = nnx.split(model.head_module())
+
+    def head(p, x):
+        return head_logits(nnx.merge(graphdef, p), x).astype(jnp.float32)
+    return fused_head_xent(head, params, h, targets, min(chunk or max(1, FUSED_TOKENS // h.shape[0]), h.shape[1]))
 
 
 def _micro_loss(params, cfg: Config, mb: Batch, targets):
@@ -322,8 +426,7 @@ def _micro_loss(params, cfg: Config, mb: Batch, targets):
     the last pass."""
     model, h, _ = _last_pass(cfg, params, mb, targets, cfg.train.remat)
     sup = targets >= 0
-    loss, ent = head_xent(model, h, targets, cfg.train.logits_chunk)
-    loss_sum = jnp.sum(loss)
+    loss_sum, ent = loss_and_entropy(cfg, model, h, targets)
     frac = codes_from_entropy(jax.lax.stop_gradient(ent), cfg.model.text.vocab_size, cfg.model.n_bits)
     frac = frac.astype(jnp.float32) / (cfg.model.n_levels - 1)
     s = sup.astype(jnp.float32)
