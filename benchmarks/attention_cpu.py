@@ -63,7 +63,7 @@ def free_attention(q, k, v, mask, *a, **kw):
 
 def variants(s: int) -> dict:
     out = {"einsum": attention}
-    for bq, bk in dict.fromkeys(((128, 128), (128, 512), (128, s), (256, 256), (64, s))):
+    for bq, bk in dict.fromkeys(((64, 64), (128, 128), (128, 512), (128, s), (256, 256), (64, s))):
         if bq <= s and bk <= s:
             out[f"blocked {bq}x{bk}"] = blocked(bq, bk)
     out["jax.nn causal"] = jax_nn(True)
@@ -117,7 +117,7 @@ def step_bench(names, rounds, config):
     import prisma_jax.text as text
     from train import data, step
     from train.config import load_train_config
-    impls = {"einsum": attention, "blocked": blocked(128, 512), "none": free_attention}
+    impls = {"einsum": attention, "blocked": blocked(None, None), "none": free_attention}
     original = text.attention
     cfg, _ = load_train_config(config, [])
     ds, _ = data.build(cfg, "/tmp/prisma_bench_train")

@@ -122,11 +122,21 @@ def _blocked_bwd(block_q, block_k, offset, res, d_out):
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, block_q: int = 128, block_k: int = 512,
-                      causal: bool = False) -> jax.Array:
+SHORT_KEYS = 512     # up to this many keys, query blocks of 64; beyond, of 128 (docs/attention-cpu.md)
+
+
+def default_blocks(n_keys: int) -> tuple[int, int]:
+    """(block_q, block_k) for `n_keys` keys: key chunks of 512; query blocks of 64 for short sequences (less of the
+    causal triangle's diagonal computed: forward + backward 14–21 % faster at 256 keys, the same at 512) and of 128
+    beyond, which compile to fewer unrolled blocks (64 × 64 blocks were slower from 512 keys on)."""
+    return (64 if n_keys <= SHORT_KEYS else 128), 512
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, block_q: int | None = None,
+                      block_k: int | None = None, causal: bool = False) -> jax.Array:
     """Grouped-query attention in blocks: q [B, Sq, H, hd], k/v [B, Sk, KV, hd], `mask` an `attention.Mask` or a
     dense [B, Sq, Sk] bool (True = may attend) → [B, Sq, H, hd], equal to `attention.attention(q, k, v, mask,
-    "xla")` up to float32 rounding.
+    "xla")` up to float32 rounding. Block sizes left None take `default_blocks(Sk)`.
 
     A `Mask` with a static `causal_start` skips the keys no query of a block may see. For a dense mask
     `causal=True` skips the keys after each query block's last query: the mask must allow none of them."""
@@ -143,6 +153,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, block_q: i
     if mask.shape != (q.shape[0], q.shape[1], k.shape[1]):
         raise ValueError(f"blocked_attention: mask {mask.shape} is not [B, Sq, Sk] = "
                          f"{(q.shape[0], q.shape[1], k.shape[1])}")
+    dq, dk = default_blocks(k.shape[1])
+    block_q, block_k = dq if block_q is None else block_q, dk if block_k is None else block_k
     if block_q < 1 or block_k < 1:
         raise ValueError(f"blocked_attention: block sizes must be positive, got {block_q}, {block_k}")
     return _blocked(q, k, v, mask.astype(bool), block_q, block_k, offset)

@@ -68,7 +68,7 @@ MASKS = {
 
 @pytest.mark.parametrize("block_q,block_k,mask_kind", [
     (16, 12, "causal"), (8, 40, "causal"), (128, 512, "causal"), (12, 7, "dense causal"), (16, 8, "offset 5"),
-    (16, 16, "bidirectional"), (12, 7, "dense")])
+    (16, 16, "bidirectional"), (12, 7, "dense"), (None, None, "causal")])
 def test_blocked_equals_xla_and_torch(block_q, block_k, mask_kind):
     q, k, v, d_out = inputs()
     mask = MASKS.get(mask_kind, lambda: padding_mask().dense())
