@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/train.py [--config configs/bench_58m.yaml] [--steps 8] [--warmup 2] [--skip-torch]
                                          [--device auto|cpu|cuda] [--profile [--top 15]] [--head-gemms]
-                                         [section.key=value ...]
+                                         [--head-loss] [--against section.key=value ...] [section.key=value ...]
 
 Both sides: the same dimensions (Qwen3 text decoder, 8 × 512, V = 32,000, untied), the same batch
 (B × S random tokens, every position supervised), float32, AdamW with global-norm clipping. The JAX side is
@@ -22,13 +22,17 @@ fusions XLA:CPU builds around one —, copies and transposes, and the rest), tra
 `torch.profiler` (self time by aten op), and prints each side's op kinds and largest ops beside its unprofiled
 step time: the profilers add their own cost, so shares are the numbers to read.
 `--head-gemms` instead times the LM head's three GEMMs (forward, input and weight gradients) at the step's
-shapes, each jitted alone against torch's `mm` on the same arrays.
+shapes, each jitted alone against torch's `mm` on the same arrays. `--head-loss` times the head with its loss,
+forward and backward, three ways: whole logits (`train.step.head_xent`), the fused loss (`fused_head_xent`) and
+torch. `--against KEY=VALUE` compiles the JAX step twice, as configured and with that override added, and times
+one step of each per round, alternately, for `--steps` rounds: an A/B of one option in one process.
 Both sides run under the host-allocator settings that importing prisma_jax applies (prisma_jax/runtime.py;
 `PRISMA_MALLOC_TUNING=0` turns them off).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -288,6 +292,76 @@ def head_gemms(cfg, n: int = 5) -> None:
               f"| {_best(lambda: torch_mm(*ts), n):.3f} |", flush=True)
 
 
+def head_loss(cfg, n: int = 5, rounds: int = 2) -> None:
+    """`--head-loss`: the LM head and its summed cross-entropy, forward and backward (gradients with respect to the
+    final hidden states and the head), at the step's shapes: `train.step.head_xent` on the whole logits,
+    `train.step.fused_head_xent` in the step's chunks, and torch's `linear` + `cross_entropy`; best of `n` after an
+    untimed call, `rounds` rounds."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from train import step
+    b, s, d, v = cfg.train.batch_size, cfg.train.seq_len, cfg.model.text.hidden_size, cfg.model.text.vocab_size
+    rng = np.random.default_rng(0)
+    h, w = rng.standard_normal((b, s, d), np.float32), (rng.standard_normal((d, v)) * 0.05).astype(np.float32)
+    t = jnp.asarray(rng.integers(0, v, (b, s)).astype(np.int32))
+
+    def logits(x, w):
+        return (x.reshape(-1, d) @ w).reshape(*x.shape[:2], v)
+
+    class Head:                     # the one thing head_xent asks of a model
+        def __init__(self, w):
+            self.head = functools.partial(logits, w=w)
+
+    chunk = max(1, step.FUSED_TOKENS // b)
+    plain = jax.jit(jax.grad(lambda x, w: jnp.sum(step.head_xent(Head(w), x, t)[0]), argnums=(0, 1)))
+    fused = jax.jit(jax.grad(lambda x, w: step.fused_head_xent(lambda p, y: logits(y, p), w, x, t, chunk)[0],
+                             argnums=(0, 1)))
+    ht = torch.from_numpy(h.reshape(-1, d)).requires_grad_()
+    wt = torch.from_numpy(w.T.copy()).requires_grad_()
+    tt = torch.from_numpy(np.array(t).reshape(-1)).long()
+
+    def torch_side():
+        ht.grad = wt.grad = None
+        torch.nn.functional.cross_entropy(torch.nn.functional.linear(ht, wt), tt, reduction="sum").backward()
+    hj, wj = jnp.asarray(h), jnp.asarray(w)
+    print(f"B = {b}, S = {s}, D = {d}, V = {v}; fused chunks of {chunk} positions\n"
+          "| round | head_xent, whole logits (s) | fused_head_xent (s) | torch (s) |\n| --- | --- | --- | --- |")
+    for r in range(rounds):
+        print(f"| {r + 1} | {_best(lambda: jax.block_until_ready(plain(hj, wj)), n):.3f} "
+              f"| {_best(lambda: jax.block_until_ready(fused(hj, wj)), n):.3f} | {_best(torch_side, n):.3f} |", flush=True)
+
+
+def against(config: str, overrides: list, extra: list, rounds: int) -> None:
+    """`--against`: the JAX step as configured (A) and with `extra` overrides added (B), each compiled and run once,
+    then one step of each per round, alternately, on a fixed batch; best and median seconds, and temporaries."""
+    import jax
+
+    from train.config import load_train_config
+    arms = {}
+    for name, ov in (("A", overrides), ("B", overrides + extra)):
+        cfg, _ = load_train_config(config, ov)
+        compiled, st, it, _, mem = jax_step(cfg)
+        b = next(it)
+        st, m = compiled(st, b)
+        jax.block_until_ready(m)
+        arms[name] = {"fn": compiled, "state": st, "batch": b, "times": [], "temp": mem.temp_size_in_bytes,
+                      "overrides": " ".join(ov) or "(none)"}
+    for r in range(rounds):
+        for arm in arms.values():
+            t = time.perf_counter()
+            arm["state"], m = arm["fn"](arm["state"], arm["batch"])
+            jax.block_until_ready(m)
+            arm["times"].append(time.perf_counter() - t)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {a['times'][-1]:.2f} s" for k, a in arms.items()),
+              file=sys.stderr, flush=True)
+    print("| arm | overrides | best (s) | median (s) | temporaries |\n| --- | --- | --- | --- | --- |")
+    for k, a in arms.items():
+        print(f"| {k} | {a['overrides']} | {min(a['times']):.2f} | {np.median(a['times']):.2f} "
+              f"| {a['temp'] / 2**20:,.0f} MiB |")
+
+
 def print_phases(jax_r: dict, torch_r: dict) -> None:
     j, t = jax_r["phases"], torch_r["phases"]
     print("| phase | prisma-jax (s) | transformers (s) | speed-up (transformers ÷ prisma-jax) |\n"
@@ -327,6 +401,11 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=15, help="with --profile: the largest ops listed")
     ap.add_argument("--head-gemms", action="store_true",
                     help="instead: the LM head's three GEMMs at the step's shapes, XLA:CPU against torch's mm")
+    ap.add_argument("--head-loss", action="store_true",
+                    help="instead: the head and its loss, forward + backward, whole logits vs fused vs torch")
+    ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
+                    help="instead: the JAX step compiled twice, as configured and with these overrides added, "
+                         "timed alternately for --steps rounds (repeatable)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     import jax
@@ -336,6 +415,12 @@ def main(argv=None):
     cfg, _ = load_train_config(a.config, a.overrides)
     if a.head_gemms:
         head_gemms(cfg)
+        return
+    if a.head_loss:
+        head_loss(cfg)
+        return
+    if a.against:
+        against(a.config, a.overrides, a.against, a.steps)
         return
     if a.profile:
         jr = profile_jax(cfg, a.steps, a.top)
