@@ -1,5 +1,6 @@
 """The compiled programs of this tree, as comparable text: XLA's optimized HLO of the `bench_58m` training step
-(batch 2 × 64) and of the tiny model's `generate.prefill` and unrolled `generate.decode`, one instruction a line,
+(batch 2 × 64), of the tiny model's `generate.prefill` and unrolled `generate.decode`, and of the serve engine's
+`admit` and `advance` (4 slots, unrolled as on CPU), one instruction a line,
 debug metadata (source lines, function names, stack frames) removed. Two trees whose files `diff` equal run the
 same programs, so any speed difference between them is noise.
 
@@ -52,10 +53,29 @@ def generation() -> list[str]:
             + instructions(G.decode.lower(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new).compile()))
 
 
+def serving() -> list[str]:
+    from prisma_jax import generate as G
+    from prisma_jax.config import load_config
+    from prisma_jax.params import init_params_numpy
+    from prisma_jax.serve import slots as S
+    from prisma_jax.text import split_layers
+
+    cfg = load_config("configs/tiny.yaml")
+    params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, 0))
+    spec = S.ServeSpec(unroll_layers=True)
+    slots = S.init_slots(cfg, spec, 4, 64, jnp.float32)
+    p = G.plan(cfg, np.random.default_rng(0).integers(7, 100, (1, 9)), max_new_tokens=8, unroll_layers=True)
+    eos = np.full((S.MAX_END_IDS,), -1, np.int32)
+    admit = S.admit.lower(cfg, spec, params, slots, np.int32(0), p.batch, p.next_pos, p.sp, eos, p.max_new,
+                          jax.random.key(0), np.int32(23)).compile()
+    advance = S.advance.lower(cfg, spec, 64, 4, params, split_layers(params), slots).compile()
+    return instructions(admit) + instructions(advance)
+
+
 if __name__ == "__main__":
     import prisma_jax
     print(f"tree: {os.path.dirname(os.path.dirname(prisma_jax.__file__))}")
-    lines = train_step() + generation()
+    lines = train_step() + generation() + serving()
     with open(sys.argv[1], "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"{len(lines)} instructions → {sys.argv[1]}")
