@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# No allocator to install or preload: importing prisma_jax tunes glibc's malloc itself (prisma_jax/runtime.py).
+# No allocator to install or preload: importing prisma_jax tunes glibc's malloc itself (prisma_jax/core/runtime.py).
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -6,15 +6,15 @@
 Kernel mode (default): for each sequence length S (batch B = tokens / S, so 8 × 512 = bench_58m's batch),
 8 query / 4 kv heads of 64, float32, the causal mask (`attention.causal`, built inside the jit as the model
 does), it times `jax.jit(jax.grad(sum(attention(q, k, v) · dO)))` w.r.t. q, k, v (one forward and one backward):
-  einsum          prisma_jax.attention.attention(..., "xla") (dense [B, KV, G, S, S] float32 scores)
-  blocked QxK     prisma_jax.attention_blocked.blocked_attention, query blocks Q, key chunks K (K = S: one chunk)
+  einsum          prisma_jax.nn.attention.attention(..., "xla") (dense [B, KV, G, S, S] float32 scores)
+  blocked QxK     prisma_jax.nn.attention_blocked.blocked_attention, query blocks Q, key chunks K (K = S: one chunk)
   jax.nn causal   jax.nn.dot_product_attention(implementation='xla', is_causal=True), no mask array
   jax.nn mask     the same with the dense mask as `mask` [B, 1, S, S]
 Variants run in interleaved rounds (best of --reps for each) so that load from other processes hits all of
 them alike; it prints the best time, its ratio to einsum, XLA's FLOP estimate and temporaries.
 
 Step mode (--step): benchmarks/train.py's JAX step (train.step.make_train_step, jit, state donated) on
-bench_58m, compiled once per named implementation of `prisma_jax.text.attention` (einsum, blocked with its
+bench_58m, compiled once per named implementation of `prisma_jax.nn.text.attention` (einsum, blocked with its
 default blocks, or none: a free stand-in `q + repeated v` that keeps the shapes, so the step with "none" bounds
 what any attention could save), then timed one step of each per round; prints best and median per step.
 """
@@ -26,21 +26,21 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/runtime.py)
+import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/core/runtime.py)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from prisma_jax.attention import attention as attention_entry  # noqa: E402
-from prisma_jax.attention import causal  # noqa: E402
-from prisma_jax.attention_blocked import blocked_attention  # noqa: E402
+from prisma_jax.nn.attention import attention as attention_entry  # noqa: E402
+from prisma_jax.nn.mask import causal
+from prisma_jax.nn.attention_blocked import blocked_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 
 
 def attention(q, k, v, mask, impl="xla", **kw):
-    """The einsum attention, the "xla" implementation of prisma_jax.attention."""
+    """The einsum attention, the "xla" implementation of prisma_jax.nn.attention."""
     return attention_entry(q, k, v, mask, "xla", **kw)
 
 
@@ -114,7 +114,7 @@ def kernel_bench(seqs, tokens, reps):
 
 
 def step_bench(names, rounds, config):
-    import prisma_jax.text as text
+    import prisma_jax.nn.text as text
     from train import data, step
     from train.config import load_train_config
     impls = {"einsum": attention, "blocked": blocked(None, None), "none": free_attention}

@@ -23,7 +23,15 @@ import jax.numpy as jnp  # noqa: E402
 def instructions(compiled) -> list[str]:
     lines = [ln for ln in compiled.as_text().splitlines() if " = " in ln]
     lines = [re.sub(r", metadata=\{[^}]*\}", "", ln) for ln in lines]
-    return [re.sub(r"(, )?stack_frame_id=[0-9]*", "", ln) for ln in lines]
+    lines = [re.sub(r"(, )?stack_frame_id=[0-9]*", "", ln) for ln in lines]
+    # parameters are named after their argument's pytree path: number them in order instead, so that moving a
+    # field into a nested dataclass (the same leaves in the same order) compares equal
+    names = [m.group(1) for ln in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = .* parameter\(\d+\)", ln))]
+    rename = {n: f"param.{i}" for i, n in enumerate(names)}
+    if not rename:
+        return lines
+    pattern = re.compile(r"%(" + "|".join(map(re.escape, sorted(rename, key=len, reverse=True))) + r")(?![\w.])")
+    return [pattern.sub(lambda m: "%" + rename[m.group(1)], ln) for ln in lines]
 
 
 def train_step() -> list[str]:
@@ -40,13 +48,14 @@ def train_step() -> list[str]:
 
 
 def generation() -> list[str]:
-    from prisma_jax import generate as G
-    from prisma_jax.config import load_config
-    from prisma_jax.params import init_params_numpy
+    from prisma_jax.infer import generate as G
+    from prisma_jax.core.config import load_config
+    from prisma_jax.nn.params import init_params_numpy
 
     cfg = load_config("configs/tiny.yaml")
     params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, 0))
-    p = G.plan(cfg, np.random.default_rng(0).integers(7, 100, (2, 9)), max_new_tokens=8, unroll_layers=True)
+    p = G.request(cfg, G.Inputs(np.random.default_rng(0).integers(7, 100, (2, 9))),
+                  options=G.Options(max_new_tokens=8, unroll_layers=True))
     args = (cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
     state = G.prefill(*args)
     return (instructions(G.prefill.lower(*args).compile())
@@ -54,17 +63,18 @@ def generation() -> list[str]:
 
 
 def serving() -> list[str]:
-    from prisma_jax import generate as G
-    from prisma_jax.config import load_config
-    from prisma_jax.params import init_params_numpy
-    from prisma_jax.serve import slots as S
-    from prisma_jax.text import split_layers
+    from prisma_jax.infer import generate as G
+    from prisma_jax.core.config import load_config
+    from prisma_jax.nn.params import init_params_numpy
+    from prisma_jax.infer.serve import slots as S
+    from prisma_jax.nn.text import split_layers
 
     cfg = load_config("configs/tiny.yaml")
     params = jax.tree.map(jnp.asarray, init_params_numpy(cfg, 0))
     spec = S.ServeSpec(unroll_layers=True)
     slots = S.init_slots(cfg, spec, 4, 64, jnp.float32)
-    p = G.plan(cfg, np.random.default_rng(0).integers(7, 100, (1, 9)), max_new_tokens=8, unroll_layers=True)
+    p = G.request(cfg, G.Inputs(np.random.default_rng(0).integers(7, 100, (1, 9))),
+                  options=G.Options(max_new_tokens=8, unroll_layers=True))
     eos = np.full((S.MAX_END_IDS,), -1, np.int32)
     admit = S.admit.lower(cfg, spec, params, slots, np.int32(0), p.batch, p.next_pos, p.sp, eos, p.max_new,
                           jax.random.key(0), np.int32(23)).compile()

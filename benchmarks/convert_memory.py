@@ -33,9 +33,9 @@ import numpy as np
 
 # the repository first: this folder's train.py would shadow the `train` package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from prisma_jax.config import config_to_hf, load_config
-from prisma_jax.params import hf_names
-from prisma_jax.safetensors_io import INDEX_NAME, Checkpoint, plan_shards, write_streaming
+from prisma_jax.core.config import config_to_hf, load_config
+from prisma_jax.checkpoint.hf_names import hf_names
+from prisma_jax.checkpoint.safetensors import INDEX_NAME, Checkpoint, plan_shards, write_streaming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -93,7 +93,8 @@ def leaf_values(cfg, trained: bool = False):
     chunking. The draws are rounded to bfloat16 (a step-0 checkpoint initialised from the bf16 release: zstd
     stores them in about 40 % of their size), or with `trained` kept in full float32 (a trained run's master
     weights, with random low mantissa bits: about 60 %, so more of each chunk is read)."""
-    from prisma_jax.params import flatten, param_shapes
+    from prisma_jax.core.trees import flatten
+    from prisma_jax.nn.params import param_shapes
 
     shapes = dict(flatten(param_shapes(cfg)))
     pool = np.random.default_rng(1).normal(0, 0.02, POOL).astype(np.float32)
@@ -246,7 +247,7 @@ def checksums(directory: str) -> dict:
 def check_export(directory: str, cfg, values) -> int:
     """How many tensors of the Hugging Face export at `directory` differ from `values` (compared in row blocks,
     so the check holds no whole tensor either)."""
-    from conversion import orbax_layout as L
+    from prisma_jax.checkpoint import orbax as L
 
     bad = 0
     with Checkpoint(directory) as ck:
@@ -310,7 +311,7 @@ def main():
     cfg = model_config(args.text_layers, args.vision_depth)
     shutil.rmtree(args.dir, ignore_errors=True)
     src, orb, out = (os.path.join(args.dir, n) for n in ("hf", "orbax", "hf_export"))
-    prisma = [sys.executable, "-m", "prisma_jax.cli", "convert"]
+    prisma = [sys.executable, "-m", "prisma_jax.apps.cli", "convert"]
     try:
         if args.train_only:
             return measure_train_to_hf(cfg, args.dir, prisma, args.trained)

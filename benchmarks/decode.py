@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/runtime.py) then hold for both sides
+import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/core/runtime.py) then hold for both sides
 
 
 def text_config(quick: bool):
@@ -124,22 +124,22 @@ def prisma_runner(model, ids, **kw):
     one step (`max_new` is data: the same program). Returns (prefill s, decode s, one-step decode s)."""
     import jax
 
-    from prisma_jax import generate as G
+    from prisma_jax.infer import generate as G
     cfg, params = model.config, model.params
 
     def timed_decode(p, max_new):
         state = G.prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
-        state.token.block_until_ready()
+        state.tokens.block_until_ready()
         t = time.perf_counter()
-        G.decode(cfg, p.spec, params, state, p.sp, p.eos, p.pad, np.int32(max_new)).token.block_until_ready()
+        G.decode(cfg, p.spec, params, state, p.sp, p.eos, p.pad, np.int32(max_new)).tokens.block_until_ready()
         return time.perf_counter() - t
 
     def run(new):
         with model._precision():
-            p = G.plan(cfg, ids, max_new_tokens=new, **kw)
+            p = G.request(cfg, G.Inputs(ids), options=G.Options(max_new_tokens=new, **kw))
             t = time.perf_counter()
             G.prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad,
-                      jax.random.key(0)).token.block_until_ready()
+                      jax.random.key(0)).tokens.block_until_ready()
             pre = time.perf_counter() - t
             return pre, timed_decode(p, new), timed_decode(p, 2)
     return run
@@ -181,8 +181,8 @@ def mechanism_ops_s(cfg, params, b: int, calls: int = 200) -> float:
     import jax
     import jax.numpy as jnp
 
-    from prisma_jax.model import bind
-    from prisma_jax.uncertainty import codes_from_logits
+    from prisma_jax.nn.model import bind
+    from prisma_jax.nn.uncertainty import codes_from_logits
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(b, cfg.text.vocab_size)).astype(np.float32) * 3)
     emb = jnp.asarray(rng.normal(size=(b, 1, cfg.text.hidden_size)).astype(np.float32))
@@ -228,7 +228,7 @@ def build_configs(args):
     section of `--config` (a training YAML) with its overrides."""
     from transformers import Qwen3VLConfig
 
-    from prisma_jax.config import config_from_hf, config_to_hf
+    from prisma_jax.core.config import config_from_hf, config_to_hf
     if args.config:
         from train.config import load_train_config
         cfg = load_train_config(args.config, args.overrides)[0].model
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
     if backend == "cpu":
         model = PrismaVL.from_config(cfg, seed=0, dtype=args.dtype, uncertainty_init="normal")
     else:               # one jitted program on the device (NumPy takes most of a minute for 1.7 B weights)
-        from prisma_jax.params import init_params
+        from prisma_jax.nn.params import init_params
         model = PrismaVL(cfg, jax.jit(lambda k: init_params(cfg, k, jnp.dtype(args.dtype)))(jax.random.key(0)))
     tc = cfg.text
     el = jnp.dtype(args.dtype).itemsize

@@ -45,9 +45,9 @@ def main(argv=None) -> int:
 
     import jax
 
-    from prisma_jax.demo import dataset as D
-    from prisma_jax.demo.run import DEFAULT_CONFIG, POS_EMBED_STD, demo_init
-    from prisma_jax.processing import build_tokenizer
+    from prisma_jax.apps.demo import dataset as D
+    from prisma_jax.apps.demo.run import DEFAULT_CONFIG, POS_EMBED_STD, demo_init
+    from prisma_jax.host.processing import build_tokenizer
     from train import data as data_mod
     from train.config import load_train_config
     from train.step import init_state, make_train_step, micro, training_logits

@@ -1,4 +1,4 @@
-"""int8 weight-only generation (prisma_jax/quantize.py) against bfloat16 and float32, on the tiny config and
+"""int8 weight-only generation (prisma_jax/quant/int8.py) against bfloat16 and float32, on the tiny config and
 the 408M decode config (benchmarks/decode.py's).
 
     .venv/bin/python benchmarks/int8.py [--configs tiny 408m] [--prompts 8] [--prompt 32] [--new 64]
@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-import prisma_jax  # noqa: F401  first: its host-allocator settings (prisma_jax/runtime.py)
+import prisma_jax  # noqa: F401  first: its host-allocator settings (prisma_jax/core/runtime.py)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import measure, prisma_runner, text_config  # noqa: E402
@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def model_config(name: str):
-    from prisma_jax.config import config_from_hf, load_config
+    from prisma_jax.core.config import config_from_hf, load_config
 
     if name == "tiny":
         return load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
@@ -60,7 +60,7 @@ def model_config(name: str):
 
 def step_bytes(params) -> int:
     """Bytes a decode step reads: the decoder layers, the final norm and lm_head (lookups excluded)."""
-    from prisma_jax.quantize import weight_bytes
+    from prisma_jax.quant.int8 import weight_bytes
 
     return weight_bytes(params["text"]["layers"]) + weight_bytes(params["text"]["norm"]) + \
         weight_bytes(params.get("lm_head", {}))
@@ -69,7 +69,7 @@ def step_bytes(params) -> int:
 def quality(cfg, forms: dict, prompts: np.ndarray, new: int) -> dict:
     import jax.numpy as jnp
 
-    from prisma_jax.uncertainty import codes_from_logits, prompt_codes
+    from prisma_jax.nn.uncertainty import codes_from_logits, prompt_codes
 
     z = {k: np.asarray(m.forward(prompts), np.float32) for k, m in forms.items()}
     out = {"logit_max_abs_f32": float(np.abs(z["f32"]).max()), "logit_std_f32": float(z["f32"].std()),
@@ -114,12 +114,12 @@ def decode_memory(model, ids, new: int, **kw) -> dict:
     """Arguments and temporaries (bytes) of the compiled decode program `generate` runs for `ids`."""
     import jax
 
-    from prisma_jax import generate as G
-    from prisma_jax.plan import memory
+    from prisma_jax.infer import generate as G
+    from prisma_jax.apps.plan import memory
 
     cfg, params = model.config, model.params
     with model._precision():
-        p = G.plan(cfg, ids, max_new_tokens=new, **kw)
+        p = G.request(cfg, G.Inputs(ids), options=G.Options(max_new_tokens=new, **kw))
         state = G.prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
         m = memory(G.decode.lower(cfg, p.spec, params, state, p.sp, p.eos, p.pad, p.max_new).compile())
     return {"arguments": m.arguments, "temporaries": m.temporaries}
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from prisma_jax import PrismaVL
-    from prisma_jax.quantize import weight_bytes
+    from prisma_jax.quant.int8 import weight_bytes
 
     info = {"device": str(jax.devices()[0].device_kind), "cores": os.cpu_count(),
             "loadavg_start": os.getloadavg()[0], "configs": {}}

@@ -7,16 +7,16 @@ the feedback has work to do that the input alone cannot do (docs/introspection.m
         [--train-images 20000] [--heldout-images 400] [--questions-per-image 1] [section.key=value ...]
 
 Per seed s (data, initial weights and batch order all from s; the same in both arms):
-  1. the demo's dataset, tokenizer and initial checkpoints (prisma_jax/demo/run.py); both arms' `prisma train`
+  1. the demo's dataset, tokenizer and initial checkpoints (prisma_jax/apps/demo/run.py); both arms' `prisma train`
      at once, as `prisma demo` runs them (feedback: the table trained; no feedback: `train.freeze=[uncertainty]`),
-     `prisma convert train-to-hf`, then `prisma eval` (prisma_jax.evaluation.evaluate) on the held-out questions.
-  2. self-labelled confidence (prisma_jax/demo/selflabel.py): each arm's QA model answers the training questions
+     `prisma convert train-to-hf`, then `prisma eval` (prisma_jax.apps.evaluation.evaluate) on the held-out questions.
+  2. self-labelled confidence (prisma_jax/apps/demo/selflabel.py): each arm's QA model answers the training questions
      (`prisma eval`); its answers, each followed by "sure" (right) or "unsure" (wrong), become a fine-tuning set
      in which only that word is learned (`"loss": false` on the rest: its codes still flow); `prisma train` from
      the QA checkpoint for `--label-steps`; on the held-out questions the fine-tuned model answers and says its
      word, scored by AUROC of P("unsure") → wrong and the word's accuracy.
 Then per metric: each arm's mean ± 95 % CI (t), the per-seed differences (feedback − no feedback) with their CI,
-a paired t-test and an exact sign-flip permutation test (prisma_jax/evaluation/stats.py).
+a paired t-test and an exact sign-flip permutation test (prisma_jax/apps/evaluation/stats.py).
 
 Output: OUT/introspection.md (the tables, ready to paste), OUT/results.json (everything), OUT/seed_<s>/ (each
 seed's data, runs, checkpoints, eval directories; written aside and renamed when the seed is done). Rerunning with
@@ -36,8 +36,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from prisma_jax.demo.report import fmt  # noqa: E402
-from prisma_jax.evaluation.metrics import json_safe  # noqa: E402
+from prisma_jax.apps.demo.report import fmt  # noqa: E402
+from prisma_jax.apps.evaluation.metrics import json_safe  # noqa: E402
 
 ARM_TITLES = {"feedback": "feedback", "no_feedback": "no feedback"}
 # (key, label, better): the QA model on the held-out questions (`prisma eval`; accuracy: the demo's answerable kind)
@@ -79,8 +79,8 @@ def parse(argv):
 
 def settings(args) -> dict:
     """What a seed's numbers depend on: a rerun into the same --out must match it."""
-    from prisma_jax.demo import dataset as D
-    from prisma_jax.demo import run as R
+    from prisma_jax.apps.demo import dataset as D
+    from prisma_jax.apps.demo import run as R
     return {"config": os.path.abspath(args.config or R.DEFAULT_CONFIG), "steps": args.steps,
             "label_steps": args.label_steps, "label_lr": args.label_lr, "label_questions": args.label_questions,
             "train_images": args.train_images or D.TRAIN_IMAGES,
@@ -93,11 +93,11 @@ def settings(args) -> dict:
 def run_seed(seed: int, st: dict, directory: str, prog) -> dict:
     """Both stages for one seed inside `directory`; returns the seed's numbers (also `directory/seed.json`)."""
     from prisma_jax import PrismaVL
-    from prisma_jax.demo import dataset as D
-    from prisma_jax.demo import run as R
-    from prisma_jax.demo import selflabel as SL
-    from prisma_jax.evaluation import evaluate
-    from prisma_jax.processing import Processor
+    from prisma_jax.apps.demo import dataset as D
+    from prisma_jax.apps.demo import run as R
+    from prisma_jax.apps.demo import selflabel as SL
+    from prisma_jax.apps.evaluation import evaluate
+    from prisma_jax.host.processing import Processor
     from train.config import load_train_config
 
     t0 = time.perf_counter()
@@ -174,7 +174,7 @@ def run_seed(seed: int, st: dict, directory: str, prog) -> dict:
 
 def summarize(results: list[dict]) -> dict:
     """Per metric: `stats.compare` of the feedback arm against the other over the seeds, and the per-seed values."""
-    from prisma_jax.evaluation import stats
+    from prisma_jax.apps.evaluation import stats
     out = {}
     for part, metrics in (("qa", QA_METRICS), ("selflabel", WORD_METRICS)):
         for key, _, _ in metrics:
@@ -221,7 +221,7 @@ def markdown(results: list[dict], summary: dict, st: dict, command: str, started
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from prisma_jax.demo import run as R
+    from prisma_jax.apps.demo import run as R
     st = settings(args)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)

@@ -4,7 +4,7 @@
                                            [--conversations 400] [key=value overrides]
 
 A JSONL of text conversations of mixed lengths is written deterministically into a temporary directory (a
-word-level tokenizer from `prisma_jax.processing.build_tokenizer`; lengths log-uniform between 24 tokens and
+word-level tokenizer from `prisma_jax.host.processing.build_tokenizer`; lengths log-uniform between 24 tokens and
 `train.seq_len`, half prompt, half reply), then the same config trains on it padded (one conversation a row)
 and packed (first-fit, several a row): the same compiled shapes, so the step time is the same and what changes
 is how many of a step's `batch_size × seq_len` slots hold real tokens. Batches are drawn before the clock
@@ -24,12 +24,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prisma_jax  # noqa: E402,F401  its host-allocator settings (prisma_jax/runtime.py)
+import prisma_jax  # noqa: E402,F401  its host-allocator settings (prisma_jax/core/runtime.py)
 
 
 def write_conversations(directory: str, n: int, seq_len: int, seed: int = 0) -> tuple[str, str]:
     """(JSONL path, processor dir): `n` text conversations, lengths log-uniform in [24, seq_len] tokens."""
-    from prisma_jax.processing import build_tokenizer
+    from prisma_jax.host.processing import build_tokenizer
     from train.tiny_sft import WORDS
     proc = os.path.join(directory, "proc")
     build_tokenizer(proc, WORDS)

@@ -9,7 +9,7 @@ uncertainty table, fp32, random weights, no end token (every request runs to its
 arrivals, exponential gaps of mean 1/rate, prompts of random token ids with lengths uniform in `--prompt`,
 outputs uniform in `--output` (numpy seed 0).
 
-* **serve**: `prisma_jax.serve` (Engine + the FastAPI app under uvicorn, in this process, on a free 127.0.0.1
+* **serve**: `prisma_jax.infer.serve` (Engine + the FastAPI app under uvicorn, in this process, on a free 127.0.0.1
   port); an asyncio client sends each request at its arrival time to `/v1/completions` (token-id prompt,
   `stream: true`, greedy) and records the first chunk (time to first token) and the last. Programs are compiled
   first by warm-up requests (every prompt bucket, and the longest request, which passes every attention window).
@@ -91,7 +91,7 @@ async def _client(url: str, reqs, model: str):
 
 
 def run_serve(model, proc, reqs, slots: int, steps: int, max_len: int) -> dict:
-    from prisma_jax.serve.local import LocalServer
+    from prisma_jax.infer.serve.local import LocalServer
 
     server = LocalServer.start(model, proc, "bench", slots=slots, max_len=max_len, steps=steps, max_queue=len(reqs))
     engine = server.engine
@@ -145,26 +145,26 @@ def _static(reqs, size: int, run_batch) -> dict:
 def prisma_batch(model):
     import jax
 
-    from prisma_jax import generate as G
+    from prisma_jax.infer import generate as G
 
     cfg, params = model.config, model.params
 
     def plan(b):
         ids, mask = _left_pad([r[1] for r in b])
-        return G.plan(cfg, ids, mask, max_new_tokens=max(r[2] for r in b))
+        return G.request(cfg, G.Inputs(ids, mask), options=G.Options(max_new_tokens=max(r[2] for r in b)))
 
     def compile_only(b):                 # the batch's two programs, run for no step
         p = plan(b)
         with model._precision():
             st = G.prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
-            G.decode(cfg, p.spec, params, st, p.sp, p.eos, p.pad, np.int32(1)).token.block_until_ready()
+            G.decode(cfg, p.spec, params, st, p.sp, p.eos, p.pad, np.int32(1)).tokens.block_until_ready()
 
     def run(b):
         with model._precision():
             t = time.perf_counter()
             p = plan(b)
             st = G.prefill(cfg, p.spec, params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
-            st.token.block_until_ready()
+            st.tokens.block_until_ready()
             pre = time.perf_counter() - t
             st = G.decode(cfg, p.spec, params, st, p.sp, p.eos, p.pad, p.max_new)
             jax.device_get((st.tokens, st.codes, st.lengths))
@@ -222,8 +222,8 @@ def main(argv=None) -> int:
     from transformers import Qwen3VLForConditionalGeneration
 
     from prisma_jax import PrismaVL
-    from prisma_jax.config import config_from_hf
-    from prisma_jax.processing import Processor, build_tokenizer
+    from prisma_jax.core.config import config_from_hf
+    from prisma_jax.host.processing import Processor, build_tokenizer
 
     hf_cfg = text_config(args.quick)
     cfg = config_from_hf(hf_cfg.to_dict())

@@ -26,7 +26,7 @@ shapes, each jitted alone against torch's `mm` on the same arrays. `--head-loss`
 forward and backward, three ways: whole logits (`train.step.head_xent`), the fused loss (`fused_head_xent`) and
 torch. `--against KEY=VALUE` compiles the JAX step twice, as configured and with that override added, and times
 one step of each per round, alternately, for `--steps` rounds: an A/B of one option in one process.
-Both sides run under the host-allocator settings that importing prisma_jax applies (prisma_jax/runtime.py;
+Both sides run under the host-allocator settings that importing prisma_jax applies (prisma_jax/core/runtime.py;
 `PRISMA_MALLOC_TUNING=0` turns them off).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/runtime.py) then hold for both sides
+import prisma_jax  # noqa: E402,F401  first: its host-allocator settings (prisma_jax/core/runtime.py) then hold for both sides
 
 
 def matmul_peak(dtype="float32", device="cpu", reps=10) -> float:

@@ -5,8 +5,8 @@
     export("orbax_dir", "hf_out")             # prisma convert orbax-to-hf orbax_dir hf_out
     params, cfg = restore_params("orbax_dir", shardings=tree_of_named_shardings)
 """
-from .hf_to_orbax import convert
-from .orbax_layout import is_converted, restore_params
-from .orbax_to_hf import export
+from conversion.hf_to_orbax import convert
+from prisma_jax.checkpoint.orbax import is_converted, restore_params
+from conversion.orbax_to_hf import export
 
 __all__ = ["convert", "export", "restore_params", "is_converted"]

@@ -17,13 +17,15 @@ import zlib
 import numpy as np
 
 import prisma_jax
-from prisma_jax.loading import open_checked, resolve_dtype
-from prisma_jax.params import UNCERTAINTY_KEY, param_shapes, get_path
-from prisma_jax.safetensors_io import Checkpoint, CheckpointError
-from prisma_jax.uncertainty import fresh_table
+from prisma_jax.checkpoint.loading import open_checked, resolve_dtype
+from prisma_jax.checkpoint.hf_names import UNCERTAINTY_KEY
+from prisma_jax.nn.params import param_shapes
+from prisma_jax.core.trees import get_path
+from prisma_jax.checkpoint.safetensors import Checkpoint, CheckpointError
+from prisma_jax.nn.uncertainty import fresh_table
 
-from . import orbax_layout as L
-from .staging import Staging, check_destination, copy_side_files, human_bytes, progress_bar
+from prisma_jax.checkpoint import orbax as L
+from conversion.staging import Staging, check_destination, copy_side_files, human_bytes, progress_bar
 
 BASE_RSS = 450 << 20   # interpreter + numpy + jax + tensorstore, measured (docs/benchmarks.md)
 

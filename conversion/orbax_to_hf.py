@@ -14,12 +14,12 @@ import sys
 
 import numpy as np
 
-from prisma_jax.config import config_to_hf
-from prisma_jax.params import hf_names
-from prisma_jax.safetensors_io import INDEX_NAME, CheckpointError, plan_shards, write_streaming
+from prisma_jax.core.config import config_to_hf
+from prisma_jax.checkpoint.hf_names import hf_names
+from prisma_jax.checkpoint.safetensors import INDEX_NAME, CheckpointError, plan_shards, write_streaming
 
-from . import orbax_layout as L
-from .staging import Staging, check_destination, copy_side_files, human_bytes, progress_bar
+from prisma_jax.checkpoint import orbax as L
+from conversion.staging import Staging, check_destination, copy_side_files, human_bytes, progress_bar
 
 MAX_SHARD_BYTES = 5 * 10**9
 BASE_RSS = 450 << 20

@@ -26,17 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import model as M
-from .attention import IMPLS
-from .config import ModelConfig, load_config
-from .inputs import prepare
-from .loading import load_hf, resolve_dtype
-from .params import init_params_numpy
-from .quantize import check_mode, is_quantized
-from .sharding import make_mesh
-from .uncertainty import codes_from_logits
+from prisma_jax.infer import core
+from prisma_jax.nn.attention import IMPLS
+from prisma_jax.core.config import ModelConfig, load_config
+from prisma_jax.host.inputs import prepare
+from prisma_jax.checkpoint.loading import load_hf, resolve_dtype
+from prisma_jax.nn.params import init_params_numpy
+from prisma_jax.quant.int8 import check_mode, is_quantized
+from prisma_jax.parallel.mesh import make_mesh
+from prisma_jax.nn.uncertainty import codes_from_logits
 
-_forward = jax.jit(M.forward, static_argnums=0)
+_forward = jax.jit(core.forward, static_argnums=0)
 _codes = jax.jit(codes_from_logits, static_argnums=1)
 
 
@@ -56,21 +56,21 @@ class PrismaVL:
         """A Hugging Face Qwen3-VL / Prisma-VL checkpoint directory (safetensors), or an Orbax directory written
         by `prisma convert hf-to-orbax` (its recorded crc32s checked unless verify=False); `mesh` shards it on
         load; `quantize="int8"` then quantizes it for generation (`PrismaVL.quantize`). `attention`: auto | xla |
-        pallas, the kernels (prisma_jax/attention.py)."""
+        pallas, the kernels (prisma_jax/nn/attention.py)."""
         if attention not in IMPLS:
             raise ValueError(f"attention must be one of {', '.join(IMPLS)}, got {attention!r}")
         if attention != "auto":
             model = cls.from_pretrained(path, dtype, uncertainty_init, seed, mesh, verify, quantize)
             model.config = model.config.replace(attention=attention)
             return model
-        from conversion import is_converted, restore_params
+        from prisma_jax.checkpoint.orbax import is_converted, restore_params
 
         if check_mode(quantize) is not None:
             return cls.from_pretrained(path, dtype, uncertainty_init, seed, mesh, verify).quantize(quantize)
 
         if is_converted(path):   # each shard restored straight onto its device (dtype "keep" = as stored)
             if mesh is not None:
-                from .sharding import param_shardings
+                from prisma_jax.parallel.placement import param_shardings
 
                 mesh = _as_mesh(mesh)
             params, cfg = restore_params(path, dtype=dtype, shardings=None if mesh is None else
@@ -79,7 +79,7 @@ class PrismaVL:
                 params = jax.tree.map(jnp.asarray, params)
             return cls(cfg, params, _generation_config(path), path, mesh)
         if mesh is not None:
-            from .distribute import load_hf_sharded
+            from prisma_jax.parallel.distribute import load_hf_sharded
 
             mesh = _as_mesh(mesh)
             params, cfg = load_hf_sharded(path, mesh, dtype=dtype, uncertainty_init=uncertainty_init, seed=seed)
@@ -95,7 +95,7 @@ class PrismaVL:
         cfg = load_config(config) if isinstance(config, (str, os.PathLike)) else config
         dt = resolve_dtype(dtype) or np.dtype(np.float32)
         if mesh is not None:
-            from .distribute import init_sharded
+            from prisma_jax.parallel.distribute import init_sharded
 
             mesh = _as_mesh(mesh)
             params = init_sharded(cfg, mesh, jax.random.key(seed), jnp.dtype(dt), uncertainty_init)
@@ -106,7 +106,7 @@ class PrismaVL:
     def quantize(self, mode: str = "int8") -> "PrismaVL":
         """This model with int8 weight-only kernels, for generation (quantize.py says which tensors and how);
         the unquantized leaves keep their dtype, which stays the compute dtype. It cannot be trained."""
-        from .quantize import quantize_params
+        from prisma_jax.quant.int8 import quantize_params
 
         if check_mode(mode) is None:
             raise ValueError("quantize: a mode is required, e.g. 'int8'")
@@ -121,7 +121,7 @@ class PrismaVL:
     @property
     def module(self):
         """The model as a `flax.nnx` module holding these params (`model.to_params` turns it back)."""
-        return M.bind(self.config, self.params)
+        return core.bind(self.config, self.params)
 
     @property
     def dtype(self):
@@ -141,7 +141,7 @@ class PrismaVL:
         """A host `model.Batch` → device arrays laid out by the batch rules (unchanged without a mesh)."""
         if self.mesh is None:
             return batch
-        from .distribute import shard_batch
+        from prisma_jax.parallel.distribute import shard_batch
 
         return shard_batch(batch, self.mesh)
 
@@ -172,7 +172,7 @@ class PrismaVL:
         (+ `.entropies` with `return_entropies=True`, `.logprobs` with `return_logprobs=True`).
         `abstain_above=τ` stops a row at a token whose code exceeds τ: `.abstained [B]`, `.abstain_step [B]`,
         `.texts(processor)` answers it with `abstain_text`. `eos_token_id` defaults to the checkpoint's."""
-        from .generate import generate
+        from prisma_jax.infer.generate import generate
 
         gc = self.generation_config
         if eos_token_id is None:

@@ -11,8 +11,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from prisma_jax import attention as A  # noqa: E402
-from prisma_jax.sharding import make_mesh  # noqa: E402
+from prisma_jax.nn import attention as A  # noqa: E402
+from prisma_jax.parallel.mesh import make_mesh  # noqa: E402
 from test_attention import decode_step, qkv, rel_err  # noqa: E402
 
 packed = np.array([[1] * 9 + [2] * 20 + [3] * 7 + [0] * 4, [1] * 33 + [2] * 7] * 2, np.int32)

@@ -1,5 +1,5 @@
 """Independent plain-Python re-derivations of `prisma eval`'s metrics (docs/eval.md), written from their
-definitions without NumPy's vectorised tricks: tests compare prisma_jax.evaluation.metrics against these."""
+definitions without NumPy's vectorised tricks: tests compare prisma_jax.apps.evaluation.metrics against these."""
 import math
 import unicodedata
 

@@ -44,8 +44,8 @@ def main():
 
     from hf_tiny import build_model, save_checkpoint, tiny_hf_config
     from prisma_jax import PrismaVL
-    from prisma_jax.cli import main as cli
-    from prisma_jax.params import flatten
+    from prisma_jax.apps.cli import main as cli
+    from prisma_jax.core.trees import flatten
 
     if os.path.exists(OUT):
         shutil.rmtree(OUT)
@@ -67,7 +67,7 @@ def main():
     args = ["train", "--config", cfg, "--no-progress", *TRAIN_OVERRIDES]
     assert cli([*args, "--workdir", work, "--steps", "2"]) == 0
     assert cli([*args, "--workdir", full]) == 0
-    from prisma_jax.params import param_shapes
+    from prisma_jax.nn.params import param_shapes
     from train.export import checkpoint_leaves
     leaf, model_cfg, step, close = checkpoint_leaves(full)
     assert step == 4

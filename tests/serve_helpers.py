@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
-from prisma_jax.processing import build_tokenizer
+from prisma_jax.host.processing import build_tokenizer
 
 WORDS = [f"w{i}" for i in range(115)]          # + 13 specials/roles = the tiny config's 128 rows
 IMAGE_SIZE = (64, 96)                           # → grid 4×6 → 6 image tokens
@@ -48,8 +48,8 @@ def free_port() -> int:
 
 
 def start(model, proc, name: str = "tiny", image_root=None, **engine_kw):
-    """(server, engine): prisma_jax.serve's app on a free 127.0.0.1 port, in a thread of this process."""
-    from prisma_jax.serve.local import LocalServer
+    """(server, engine): prisma_jax.infer.serve's app on a free 127.0.0.1 port, in a thread of this process."""
+    from prisma_jax.infer.serve.local import LocalServer
 
     server = LocalServer.start(model, proc, name, image_root, **engine_kw)
     return server, server.engine

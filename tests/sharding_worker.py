@@ -27,7 +27,7 @@ MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 
 
 def tiny_train_cfg():
-    from prisma_jax.config import read_yaml
+    from prisma_jax.core.config import read_yaml
     from train.config import config_from_raw
 
     raw = read_yaml(os.path.join(ROOT, "configs", "tiny.yaml"))
@@ -44,7 +44,7 @@ def sft_train_cfg(mesh=None):
     """configs/tiny_sft.yaml (conversations with images, 2 micro-batches of 4 rows) for `SFT_STEPS` steps."""
     import dataclasses
 
-    from prisma_jax.sharding import MeshSpec
+    from prisma_jax.parallel.mesh import MeshSpec
     from train.config import load_train_config
 
     cfg, _ = load_train_config(os.path.join(ROOT, "configs", "tiny_sft.yaml"), [f"train.steps={SFT_STEPS}"])
@@ -61,7 +61,7 @@ def sft_batches(cfg, workdir, host=None, hosts=None) -> list:
 
 def train_batch_np(cfg, rows=slice(None)):
     """A fixed text batch (left padding in row 1) as TrainBatch fields in NumPy, rows selected."""
-    from prisma_jax.inputs import prepare
+    from prisma_jax.host.inputs import prepare
 
     rng = np.random.default_rng(0)
     ids = rng.integers(7, cfg.text.vocab_size, (BATCH, SEQ))
@@ -78,7 +78,7 @@ def train_batch_np(cfg, rows=slice(None)):
 
 def host_params(tcfg) -> dict:
     """Initial float32 params drawn on the host (no threefry compile), identical in every process."""
-    from prisma_jax.params import init_params_numpy
+    from prisma_jax.nn.params import init_params_numpy
 
     return init_params_numpy(tcfg.model, seed=tcfg.train.seed)
 
@@ -108,7 +108,7 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     import jax
 
     from prisma_jax.api import PrismaVL
-    from prisma_jax.plan import all_gathers, forbidden_gathers, lower_decode
+    from prisma_jax.apps.plan import all_gathers, forbidden_gathers, lower_decode
     from train import loop, sharded
     from train.step import TrainBatch, init_state, make_train_step
 
@@ -159,7 +159,7 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     # to compile) against the same loop on one device
     import dataclasses
 
-    from prisma_jax.sharding import MeshSpec
+    from prisma_jax.parallel.mesh import MeshSpec
     lcfg = dataclasses.replace(tcfg, train=dataclasses.replace(tcfg.train, steps=3, init=ckpt))
     mcfg = dataclasses.replace(lcfg, train=dataclasses.replace(lcfg.train, mesh=MeshSpec(2, 2, 2)))
     work = os.path.dirname(out)
@@ -171,7 +171,7 @@ def scenario_mesh(ckpt: str, out: str) -> None:
     res["loop_losses_one"], res["loop_losses_mesh"] = losses("loop1"), losses("loop8")
 
     # LoRA on the mesh: the same losses as on one device; adapters sharded like their kernels
-    from prisma_jax.lora import LoraSpec
+    from prisma_jax.nn.lora import LoraSpec
     lora = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj", "fc1"))
     l1 = dataclasses.replace(lcfg, train=dataclasses.replace(lcfg.train, lora=lora))
     l8 = dataclasses.replace(l1, train=dataclasses.replace(l1.train, mesh=MeshSpec(2, 2, 2)))
@@ -191,13 +191,13 @@ def scenario_mesh(ckpt: str, out: str) -> None:
 def scenario_multihost(mode: str, port: str, pid: str, out: str) -> None:
     import jax
 
-    from prisma_jax import multihost
+    from prisma_jax.parallel import multihost
 
     multihost.initialize(f"localhost:{port}", 2, int(pid))
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
 
-    from prisma_jax.sharding import abstract_sharded_params
+    from prisma_jax.parallel.placement import abstract_sharded_params
     from train import sharded
 
     assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
@@ -292,10 +292,10 @@ def _sigterm_after_two_logged_steps(metrics: str) -> None:
 
 
 def scenario_tpu(out: str) -> None:
-    from prisma_jax.config import load_config
-    from prisma_jax.plan import (abstract_train_batch, all_gathers, bytes_per_device, forbidden_gathers, lower_decode,
+    from prisma_jax.core.config import load_config
+    from prisma_jax.apps.plan import (abstract_train_batch, all_gathers, bytes_per_device, forbidden_gathers, lower_decode,
                                  lower_train, memory, pallas_kernels, plan_devices, train_config)
-    from prisma_jax.sharding import PRESETS, make_mesh, preset
+    from prisma_jax.parallel.mesh import PRESETS, make_mesh, preset
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
     topology_devices = {q.name: len(plan_devices(q)) for q in PRESETS.values() if q.topology}
@@ -340,9 +340,9 @@ def scenario_table(ckpt: str, seed: str, out: str) -> None:
 
     import jax
 
-    from prisma_jax import multihost
+    from prisma_jax.parallel import multihost
     from prisma_jax.api import PrismaVL
-    from prisma_jax.sharding import MeshSpec
+    from prisma_jax.parallel.mesh import MeshSpec
     from train import loop
 
     assert len(jax.devices()) == 8

@@ -10,9 +10,9 @@ import torch
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax import generate as G
-from prisma_jax.cli import main
-from prisma_jax.processing import Processor, build_tokenizer
+from prisma_jax.infer import generate as G
+from prisma_jax.apps.cli import main
+from prisma_jax.host.processing import Processor, build_tokenizer
 
 STEPS = 16
 LEVELS = 256     # the checkpoint's 8-bit table
@@ -175,7 +175,7 @@ def test_cli_bad_tau_is_one_line(ckpt, capsys, tau):
 def test_abstention_off_adds_nothing_to_the_program(ckpt):
     """Without `abstain_above` the decode program carries no abstention state and no logprobs buffer."""
     _, m, _, enc = ckpt
-    p = G.plan(m.config, enc["input_ids"], enc["attention_mask"])
+    p = G.request(m.config, G.Inputs(enc["input_ids"], enc["attention_mask"]))
     assert not p.spec.abstain and not p.spec.keep_logprobs and p.abstain_above is None
     state = jax.eval_shape(lambda prm, b: G.prefill(m.config, p.spec, prm, b, p.next_pos, p.sp, p.eos, p.pad,
                                                     jax.random.key(0)), m.params, p.batch)

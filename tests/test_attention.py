@@ -1,4 +1,4 @@
-"""The attention entry point (prisma_jax/attention.py): the XLA path against a NumPy re-derivation, and the
+"""The attention entry point (prisma_jax/nn/attention.py): the XLA path against a NumPy re-derivation, and the
 TPU splash kernel — run here in Pallas interpret mode — against the XLA path, forward and gradients, on text,
 left-padded, packed, prefill-into-a-cache, multi-image vision and GQA cases; the paged decode kernel against the
 XLA path on a ragged bf16 cache; then the whole train step, the whole decode loop (float32, and bf16 with the
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prisma_jax import attention as A
+from prisma_jax.nn import attention as A
 from prisma_jax.api import PrismaVL
-from prisma_jax.params import init_params_numpy
+from prisma_jax.nn.params import init_params_numpy
 from test_train_step import make_cfg, samples
 from train import step as S
 from train.data import Collate
@@ -271,7 +271,7 @@ def test_bf16_decode_loop_with_paged_kernel_equals_xla(monkeypatch):
 def test_serve_slots_decode_with_the_paged_kernel(monkeypatch):
     """The serve engine's rounds (`serve.slots.advance`) under `attention: pallas` call the paged kernel on every
     slot at once, and each request's greedy tokens are those `generate` gives it alone with the same kernel."""
-    from prisma_jax.serve.engine import Engine, Tokens
+    from prisma_jax.infer.serve.engine import Engine, Tokens
     paged = count_paged_calls(monkeypatch)
     base, ids, mask = bf16_model_and_prompts()
     model = PrismaVL(base.config.replace(attention="pallas"), base.params)

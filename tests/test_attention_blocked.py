@@ -1,5 +1,5 @@
-"""`prisma_jax.attention_blocked.blocked_attention`: output and q/k/v gradients equal the "xla" attention's
-(prisma_jax/attention.py) and a float64 torch autograd re-derivation (GQA; causal `Mask`s with padding, packed
+"""`prisma_jax.nn.attention_blocked.blocked_attention`: output and q/k/v gradients equal the "xla" attention's
+(prisma_jax/nn/attention.py) and a float64 torch autograd re-derivation (GQA; causal `Mask`s with padding, packed
 segments and an offset, or their dense form with `causal=True`; blocks that do not divide the sequence; a
 bidirectional and a random mask), under jit; bad shapes are refused."""
 import jax
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from prisma_jax.attention import Mask, attention, causal
-from prisma_jax.attention_blocked import blocked_attention
+from prisma_jax.nn.mask import Mask, causal
+from prisma_jax.nn.attention import attention
+from prisma_jax.nn.attention_blocked import blocked_attention
 
 B, S, H, KV, HD = 3, 40, 4, 2, 16
 

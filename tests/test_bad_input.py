@@ -8,7 +8,7 @@ import pytest
 import prisma_jax.api as api
 from hf_tiny import build_model, image_tokens, random_pixels, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax.safetensors_io import CheckpointError
+from prisma_jax.checkpoint.safetensors import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 

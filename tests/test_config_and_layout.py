@@ -5,9 +5,9 @@ import os
 import pytest
 
 from hf_tiny import tiny_hf_config
-from prisma_jax.config import ConfigError, config_from_hf, load_config, load_yaml_config
-from prisma_jax.counts import param_counts
-from prisma_jax.params import UNCERTAINTY_KEY, hf_names
+from prisma_jax.core.config import ConfigError, config_from_hf, load_config, load_yaml_config
+from prisma_jax.apps.counts import param_counts
+from prisma_jax.checkpoint.hf_names import UNCERTAINTY_KEY, hf_names
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 KEYS_TSV = os.path.join(ROOT, "tests", "data", "qwen3_vl_8b_keys.tsv")   # the 8B checkpoint's keys and shapes
@@ -33,7 +33,7 @@ def test_8b_parameter_counts():
 
 
 def test_prisma_inspect_cli_prints_the_total(capsys):
-    from prisma_jax.cli import main
+    from prisma_jax.apps.cli import main
     assert main(["inspect", os.path.join(ROOT, "configs", "prisma_vl_8b.yaml")]) == 0
     assert "9,035,559,152" in capsys.readouterr().out
 

@@ -14,10 +14,11 @@ from transformers import Qwen3VLForConditionalGeneration
 from conversion import convert, export, restore_params
 from hf_tiny import build_model, reference_logits, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax.cli import main as cli
-from prisma_jax.loading import load_hf
-from prisma_jax.params import UNCERTAINTY_KEY, flatten
-from prisma_jax.safetensors_io import Checkpoint
+from prisma_jax.apps.cli import main as cli
+from prisma_jax.checkpoint.loading import load_hf
+from prisma_jax.checkpoint.hf_names import UNCERTAINTY_KEY
+from prisma_jax.core.trees import flatten
+from prisma_jax.checkpoint.safetensors import Checkpoint
 
 IDS = np.random.default_rng(0).integers(7, 128, (2, 9))   # text tokens (0..6 are special in hf_tiny)
 
@@ -134,8 +135,8 @@ _MESH_SCRIPT = r"""
 import os, sys, numpy as np, jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from conversion import restore_params
-from prisma_jax.loading import load_hf
-from prisma_jax.params import flatten, set_path
+from prisma_jax.checkpoint.loading import load_hf
+from prisma_jax.nn.params import flatten, set_path
 orb, src = sys.argv[1:]
 mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"))
 ref, cfg = load_hf(src, dtype="keep")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
-from prisma_jax.cli import main as cli
-from prisma_jax.safetensors_io import Checkpoint, CheckpointError, write_file
+from prisma_jax.apps.cli import main as cli
+from prisma_jax.checkpoint.safetensors import Checkpoint, CheckpointError, write_file
 
 
 @pytest.fixture(scope="module")
@@ -197,11 +197,11 @@ def test_sigterm_mid_conversion_leaves_nothing_behind(good, tmp_path):
     """SIGTERM while the arrays are being written: exit 143, no DST and no temporary sibling."""
     dst = tmp_path / "out"
     code = ("import sys, time\n"
-            "from conversion import orbax_layout as L\n"
+            "from prisma_jax.checkpoint import orbax as L\n"
             "def stall(*a, **k):\n"
             "    print('writing', flush=True); time.sleep(120)\n"
             "L.write_tree_metadata = stall\n"
-            "from prisma_jax.cli import main\n"
+            "from prisma_jax.apps.cli import main\n"
             f"sys.exit(main(['convert', 'hf-to-orbax', {str(good / 'single')!r}, {str(dst)!r}]))\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -224,7 +224,8 @@ def _flip(orb, leaf, key, at=100):
 
 
 def test_restore_checks_the_recorded_crc32s_and_names_the_tensor(good, tmp_path):
-    from conversion import orbax_layout as L, restore_params
+    from prisma_jax.checkpoint import orbax as L
+    from conversion import restore_params
     from prisma_jax import PrismaVL
 
     orb = tmp_path / "orb"
@@ -260,7 +261,7 @@ class _Layers:
 
 
 def test_a_sharded_restore_checks_exactly_the_chunks_its_shards_read(good, tmp_path):
-    from conversion import orbax_layout as L
+    from prisma_jax.checkpoint import orbax as L
 
     orb = tmp_path / "orb"
     shutil.copytree(good / "orbax", orb)
@@ -347,7 +348,8 @@ def test_everything_written_is_fsynced_before_the_rename(good, other, tmp_path, 
 
 _KILL_AT = r"""
 import os, sys, time
-from conversion import orbax_layout as L, staging
+from conversion import staging
+from prisma_jax.checkpoint import orbax as L
 point, exchange, src, dst = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
 def at(p):
     if p == point:
@@ -362,7 +364,7 @@ def writing(*a):
     at("write")
     write_tree_metadata(*a)
 L.write_tree_metadata = writing
-from prisma_jax.cli import main
+from prisma_jax.apps.cli import main
 sys.exit(main(["convert", "hf-to-orbax", src, dst, "--overwrite"]))
 """
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prisma_jax.demo import dataset as D
+from prisma_jax.apps.demo import dataset as D
 
 
 def _oracle(scene, q):

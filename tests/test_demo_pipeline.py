@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import eval_reference as REF
-from prisma_jax.demo import run as R
+from prisma_jax.apps.demo import run as R
 from train.config import load_train_config
 
 
@@ -71,7 +71,7 @@ def test_reduced_demo_end_to_end(tmp_path):
 
 
 def test_cli_rejects_bad_arguments_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "prisma_jax.cli", "demo", "--steps", "0", "--out", str(tmp_path / "o")],
+    r = subprocess.run([sys.executable, "-m", "prisma_jax.apps.cli", "demo", "--steps", "0", "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["prisma demo: error: --steps must be ≥ 1, got 0"]

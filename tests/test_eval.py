@@ -14,7 +14,7 @@ from PIL import Image
 
 import eval_reference as REF
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
-from prisma_jax.evaluation import metrics as M
+from prisma_jax.apps.evaluation import metrics as M
 
 KEYS = ("n", "accuracy", "accuracy_all", "accuracy_unanswerable", "ece", "auroc", "code_error_corr", "aurc",
         "mean_confidence", "reliability", "risk_coverage")
@@ -125,7 +125,7 @@ def _conv(image, text):
 
 def _direct(model, proc, convs):
     """`PrismaVL.generate` on the batches eval makes: BATCH at a time, the last padded with its last item."""
-    from prisma_jax.processing import Processor  # noqa: F401  (proc is one)
+    from prisma_jax.host.processing import Processor  # noqa: F401  (proc is one)
     out = []
     for s in range(0, len(convs), BATCH):
         chunk = convs[s:s + BATCH]
@@ -141,9 +141,10 @@ def _direct(model, proc, convs):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny checkpoint, 7 items (each with a 64×96 image), the direct generation, and `prisma eval` on them."""
-    from prisma_jax import PrismaVL, generate as G
-    from prisma_jax.cli import main
-    from prisma_jax.processing import Processor, build_tokenizer
+    from prisma_jax import PrismaVL
+    from prisma_jax.infer import generate as G
+    from prisma_jax.apps.cli import main
+    from prisma_jax.host.processing import Processor, build_tokenizer
 
     d = tmp_path_factory.mktemp("eval")
     ckpt = str(d / "ckpt")
@@ -243,10 +244,10 @@ def _same_answers(a, b):
 
 
 def test_an_orbax_checkpoint_answers_the_same(run):
-    from prisma_jax.cli import main
+    from prisma_jax.apps.cli import main
     d = run["d"]
     assert main(["convert", "hf-to-orbax", run["ckpt"], str(d / "orbax")]) == 0
-    m = __import__("prisma_jax.evaluation", fromlist=["evaluate"]).evaluate(
+    m = __import__("prisma_jax.apps.evaluation", fromlist=["evaluate"]).evaluate(
         str(d / "orbax"), run["data"], str(d / "out_orbax"), batch=BATCH, max_new_tokens=NEW,
         abstain_text=run["abstain"], progress=False)
     rows = [json.loads(line) for line in (d / "out_orbax" / "answers.jsonl").read_text().splitlines()]
@@ -257,7 +258,7 @@ def test_an_orbax_checkpoint_answers_the_same(run):
 def test_a_two_device_mesh_answers_the_same(run):
     d = run["d"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "prisma_jax.cli", "eval", "--model", run["ckpt"], "--data", run["data"],
+    p = subprocess.run([sys.executable, "-m", "prisma_jax.apps.cli", "eval", "--model", run["ckpt"], "--data", run["data"],
                         "--out", str(d / "out_mesh"), "--batch", str(BATCH), "--max-new-tokens", str(NEW),
                         "--abstain-text", run["abstain"], "--mesh", "data=2", "--no-progress"],
                        env=env, capture_output=True, text=True, timeout=600)
@@ -292,7 +293,7 @@ def _item(**kw):
     ([_item()], ["OUT_EXISTS"], "exists; give a new directory"),
 ])
 def test_bad_input_is_one_line_and_leaves_no_output(run, tmp_path, capsys, lines, extra, match):
-    from prisma_jax.cli import main
+    from prisma_jax.apps.cli import main
     data = run["d"] / "data" / "items.jsonl" if lines is None else None
     if lines is not None:
         data = tmp_path / "items.jsonl"

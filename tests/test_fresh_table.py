@@ -12,7 +12,7 @@ import pytest
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 from prisma_jax.api import PrismaVL
-from prisma_jax.loading import load_hf
+from prisma_jax.checkpoint.loading import load_hf
 
 HERE = os.path.dirname(__file__)
 SEED = 7

@@ -9,7 +9,7 @@ import pytest
 from gen_reference import reference_greedy
 from hf_tiny import IMAGE, VIDEO, build_model, image_tokens, random_pixels, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax.uncertainty import prompt_codes
+from prisma_jax.nn.uncertainty import prompt_codes
 
 BITS = 16
 STEPS = 16
@@ -174,14 +174,14 @@ def test_eos_defaults_to_the_checkpoints_generation_config(models, tmp_path):
 def test_carried_code_is_uint16(models):
     import jax
 
-    from prisma_jax import generate as G
+    from prisma_jax.infer import generate as G
     _, _, m = models
     batch = m.prepare(np.array([[10, 11, 12]]))
     spec = G.Spec(new_bucket=4)
     sp = G.SamplingParams(np.float32(0), np.int32(0), np.float32(1), np.float32(0))
     args = (np.array([3], np.int32), sp, np.array([-1] * 4, np.int32), np.int32(0), jax.random.key(0))
     state = jax.eval_shape(lambda p, b: G.prefill(m.config, spec, p, b, *args), m.params, batch)
-    assert state.code.dtype == np.uint16 and state.code.shape == (1,) and state.codes.dtype == np.uint16
+    assert state.state.code.dtype == np.uint16 and state.state.code.shape == (1,) and state.codes.dtype == np.uint16
     out = jax.eval_shape(lambda p, s: G.decode(m.config, spec, p, s, sp, args[2], args[3], np.int32(4)),
                          m.params, state)
-    assert out.code.dtype == np.uint16
+    assert out.state.code.dtype == np.uint16

@@ -8,8 +8,8 @@ from PIL import Image
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax.cli import main
-from prisma_jax.processing import Processor, build_tokenizer
+from prisma_jax.apps.cli import main
+from prisma_jax.host.processing import Processor, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_cli_prints_nothing_on_stderr_on_a_machine_without_a_tpu(ckpt):
     import sys
     d, _ = ckpt
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
-    run = subprocess.run([sys.executable, "-m", "prisma_jax.cli", "generate", "--model", d, "--prompt", "w1 w2",
+    run = subprocess.run([sys.executable, "-m", "prisma_jax.apps.cli", "generate", "--model", d, "--prompt", "w1 w2",
                           "--max-new-tokens", "3"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr

@@ -5,7 +5,7 @@ import pytest
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax import generate as G
+from prisma_jax.infer import generate as G
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +80,15 @@ def test_plan_lowers_the_decode_program_generate_runs(model, monkeypatch):
     passes it after a real prefill."""
     import jax
 
-    from prisma_jax import plan as PL
-    from prisma_jax.sharding import make_mesh
+    from prisma_jax.apps import plan as PL
+    from prisma_jax.parallel.mesh import make_mesh
 
     cfg = model.config
-    p = G.plan(cfg, _ids(9), max_new_tokens=4, prompt_floor=8, new_floor=8, unroll_layers=False)
+    p = G.request(cfg, G.Inputs(_ids(9)), options=G.Options(max_new_tokens=4, prompt_floor=8, new_floor=8, unroll_layers=False))
     state = G.prefill(cfg, p.spec, model.params, p.batch, p.next_pos, p.sp, p.eos, p.pad, jax.random.key(0))
     real = (model.params, state, p.sp, p.eos, p.pad, p.max_new)
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    b, slots = state.tokens.shape[0], state.cache["k"].shape[3]   # 2 rows, 16 prompt + 8 new slots
+    b, slots = state.tokens.shape[0], state.state.cache.k.shape[3]   # 2 rows, 16 prompt + 8 new slots
     planned = PL.decode_args(cfg, mesh, b, slots, "float32", p.spec)
     kind = lambda x: (tuple(np.shape(x)), str(x.dtype))      # noqa: E731
     assert jax.tree.structure(planned) == jax.tree.structure(real)

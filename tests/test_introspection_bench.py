@@ -1,5 +1,5 @@
-"""benchmarks/introspection.py's pieces: the cross-seed statistics (prisma_jax/evaluation/stats.py) against
-hand-computed values, statistical tables and scipy; the self-labelled confidence data (prisma_jax/demo/selflabel.py)
+"""benchmarks/introspection.py's pieces: the cross-seed statistics (prisma_jax/apps/evaluation/stats.py) against
+hand-computed values, statistical tables and scipy; the self-labelled confidence data (prisma_jax/apps/demo/selflabel.py)
 through the real training pipeline — right answers → "sure", wrong → "unsure", and only that word learned."""
 import math
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from prisma_jax.demo import dataset as D
-from prisma_jax.demo import run as R
-from prisma_jax.demo import selflabel as SL
-from prisma_jax.evaluation import stats as ST
+from prisma_jax.apps.demo import dataset as D
+from prisma_jax.apps.demo import run as R
+from prisma_jax.apps.demo import selflabel as SL
+from prisma_jax.apps.evaluation import stats as ST
 from train.config import load_train_config
 from train.data import Collate, LoadImages, index_jsonl
 from train.step import IGNORE, NO_LOSS
@@ -99,7 +99,7 @@ def test_self_label_data_supervises_only_the_word(demo_data):
     """Answers alternately right and wrong (and one empty) → conversations whose targets, through index_jsonl and
     Collate, are NO_LOSS on the answer and the end token, the word's id ("sure" iff right) at the position before
     the word, IGNORE on the prompt — re-derived from the word-level vocabulary, not from encode_supervised."""
-    from prisma_jax.processing import Processor
+    from prisma_jax.host.processing import Processor
     d, info, cfg = demo_data
     n = SL.label_items(info["train"], str(d / "data" / "label_items.jsonl"))
     items = D.read_jsonl(str(d / "data" / "label_items.jsonl"))

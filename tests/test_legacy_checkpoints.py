@@ -16,8 +16,9 @@ from safetensors.numpy import load_file
 
 from make_legacy_fixtures import OUT, ROOT, batch
 from prisma_jax import PrismaVL
-from prisma_jax.cli import main as cli
-from prisma_jax.params import flatten, param_shapes
+from prisma_jax.apps.cli import main as cli
+from prisma_jax.core.trees import flatten
+from prisma_jax.nn.params import param_shapes
 
 EXPECTED = load_file(os.path.join(OUT, "expected.safetensors"))
 

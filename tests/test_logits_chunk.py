@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from prisma_jax.config import ConfigError
-from prisma_jax.params import init_params_numpy
+from prisma_jax.core.config import ConfigError
+from prisma_jax.nn.params import init_params_numpy
 from test_train_step import TINY, make_cfg, samples
 from train import step as S
 from train.config import config_from_raw
@@ -177,7 +177,7 @@ def test_train_loop_with_chunks_equals_whole_logits(tmp_path):
     loss, the CPU's default), against the same run on whole logits without it: every logged metric equal within
     1e-6 relative (measured: losses and code statistics bit for bit, grad_norm within 6e-8: the head's gradient
     is summed chunk by chunk)."""
-    from prisma_jax.cli import main as cli
+    from prisma_jax.apps.cli import main as cli
 
     def metrics(chunk):
         wd = str(tmp_path / f"c{chunk}")
@@ -196,8 +196,8 @@ def test_train_loop_with_chunks_equals_whole_logits(tmp_path):
 
 def test_plan_prints_the_option():
     """`prisma plan`'s training line names the chunk, or says the logits are whole (0, or a chunk ≥ seq)."""
-    from prisma_jax import plan
-    from prisma_jax.sharding import MeshSpec, Preset
+    from prisma_jax.apps import plan
+    from prisma_jax.parallel.mesh import MeshSpec, Preset
     p = Preset("fake-1", 1, 95, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
     tiny = os.path.join(ROOT, "configs", "tiny.yaml")
     for chunk, want in [(512, "logits chunk 512 tokens"), (0, "logits chunk off (whole sequence)"),

@@ -12,11 +12,11 @@ import yaml
 
 from hf_tiny import build_model, reference_logits, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax.cli import main as cli
-from prisma_jax.config import ConfigError
-from prisma_jax.lora import is_adapter
-from prisma_jax.model import bind
-from prisma_jax.params import flatten
+from prisma_jax.apps.cli import main as cli
+from prisma_jax.core.config import ConfigError
+from prisma_jax.nn.lora import is_adapter
+from prisma_jax.nn.model import bind
+from prisma_jax.core.trees import flatten
 from train.config import config_from_raw
 from train.export import checkpoint_leaves
 from train.loop import run

@@ -101,7 +101,7 @@ def test_nonzero_table_and_arbitrary_codes(tmp_path, n_bits):
     grids = [grid[0], grid[0]]
     _cmp(hf, ours, mask=mask, input_ids=ids, pixel_values=pv, image_grid_thw=grids, table=table, codes_in=codes)
     # the default prompt rule: first real token none, neutral elsewhere
-    from prisma_jax.uncertainty import prompt_codes
+    from prisma_jax.nn.uncertainty import prompt_codes
     rule = prompt_codes(mask, n_bits)
     assert (rule[0, 0], rule[1, 2], rule[1, 1]) == (-1, -1, -1) and rule[0, 1] == 2 ** (n_bits - 1)
     ref = reference_logits(hf, ids, mask, pv, grids, table=table, codes_in=rule)
@@ -131,8 +131,8 @@ def test_frames_of_one_size_attend_per_frame(untied):
 
     import jax
 
-    from prisma_jax.model import bind
-    from prisma_jax.vision import vision_geometry
+    from prisma_jax.nn.model import bind
+    from prisma_jax.nn.vision import vision_geometry
     _, ours = untied
     cfg = ours.config.vision
     assert vision_geometry(cfg, np.array([[1, 4, 6], [1, 14, 10]])).frame_len == 0

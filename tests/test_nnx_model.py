@@ -9,10 +9,11 @@ from flax import nnx
 
 from hf_tiny import IMAGE, VEND, VSTART
 from prisma_jax import PrismaVL
-from prisma_jax.config import load_config
-from prisma_jax.model import PrismaVLModule, bind, to_params
-from prisma_jax.params import flatten, param_shapes
-from prisma_jax.uncertainty import fresh_table
+from prisma_jax.core.config import load_config
+from prisma_jax.nn.model import PrismaVLModule, bind, to_params
+from prisma_jax.core.trees import flatten
+from prisma_jax.nn.params import param_shapes
+from prisma_jax.nn.uncertainty import fresh_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = load_config(os.path.join(ROOT, "configs", "tiny.yaml"))
@@ -78,7 +79,7 @@ def dot_lhs_ranks(fn, *args) -> list[int]:
 def test_token_matmul_merges_the_token_axes_on_cpu_and_equals_the_einsum():
     """`token_matmul` (every Dense and the tied head): on the CPU one contraction over a merged token axis, with
     the values and gradients of the plain einsum (numpy in float64 as the reference)."""
-    from prisma_jax.layers import token_matmul
+    from prisma_jax.nn.layers import token_matmul
     rng = np.random.default_rng(0)
     for shape, rhs in (((2, 3, 8), "io"), ((2, 3, 4, 8), "oi"), ((0, 5, 8), "io"), ((6, 8), "oi")):
         x = rng.standard_normal(shape).astype(np.float32)
@@ -101,7 +102,7 @@ def test_dense_and_its_adapter_reach_xla_cpu_as_one_token_axis_and_other_platfor
     for another platform (an ahead-of-time TPU plan from this host) keeps the [B, S, i] einsum."""
     from types import SimpleNamespace
 
-    import prisma_jax.layers as layers
+    import prisma_jax.nn.layers as layers
     dense = layers.Dense(8, 5, ("hidden", "mlp"), bias=False, lora=SimpleNamespace(rank=2, scale=0.5),
                          rngs=nnx.Rngs(0))
     x = jnp.ones((2, 3, 8))

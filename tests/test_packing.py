@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from prisma_jax.params import init_params_numpy
-from prisma_jax.uncertainty import prompt_codes, segment_starts
+from prisma_jax.nn.params import init_params_numpy
+from prisma_jax.nn.uncertainty import prompt_codes, segment_starts
 from train import step as S
 from train.config import config_from_raw
 from train.data import Record, build, pack
@@ -25,7 +25,7 @@ S_LEN = 48
 def conversations(tmp_path):
     """(JSONL path, processor dir): 5 conversations of mixed lengths, three with a 64×64 image (4 tokens)."""
     from PIL import Image
-    from prisma_jax.processing import build_tokenizer
+    from prisma_jax.host.processing import build_tokenizer
     from train.tiny_sft import WORDS
     d = tmp_path / "data"
     d.mkdir()
@@ -63,7 +63,7 @@ def cfg_for(path, proc, packing, batch_size, passes=3, attention="xla"):
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
     """(packed cfg, packed batch, padded cfg, padded batch, the packed rows as record indices)."""
-    from prisma_jax.processing import Processor
+    from prisma_jax.host.processing import Processor
     from train.data import index_jsonl
     tmp = tmp_path_factory.mktemp("packing")
     path, proc = conversations(tmp)
@@ -189,8 +189,8 @@ def test_packed_loss_under_pallas_attention_equals_xla(batches):
 
 
 def test_packing_config_and_segment_ids_are_checked():
-    from prisma_jax.config import ConfigError
-    from prisma_jax.inputs import prepare
+    from prisma_jax.core.config import ConfigError
+    from prisma_jax.host.inputs import prepare
     raw = yaml.safe_load(open(SFT))
     raw["data"] = {"source": "synthetic", "packing": True}
     with pytest.raises(ConfigError, match="data.packing needs conversations"):

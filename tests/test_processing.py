@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prisma_jax.processing import Processor, build_tokenizer, expand_image_tokens
+from prisma_jax.host.processing import Processor, build_tokenizer, expand_image_tokens
 
 WORDS = ["hello", "world", "describe", "this", "image."]
 
@@ -111,7 +111,7 @@ def bpe_dir(tmp_path_factory):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from prisma_jax.processing import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from prisma_jax.host.processing import CHAT_TEMPLATE, SPECIAL_TOKENS
     rng = np.random.default_rng(0)
     words = ["hello", "there", "list", "one", "two", "yes", "indented", "and", "so", "on", "plain", "words", "then",
              "a", "newline", "user", "assistant", "system", "tabbed", "what", "is", "this", "question"]

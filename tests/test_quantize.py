@@ -1,4 +1,4 @@
-"""int8 weight-only generation (prisma_jax/quantize.py) against independent references: the int8 values and
+"""int8 weight-only generation (prisma_jax/quant/int8.py) against independent references: the int8 values and
 scales re-derived in NumPy and by qwix's own `quantize_model` on a lone dense layer; greedy tokens and codes
 against the sequential PyTorch loop (tests/gen_reference.py) on a transformers model holding the dequantized
 weights; the CLI flag against the API; bad modes and training refused with one clear error."""
@@ -16,11 +16,11 @@ from flax import nnx
 from gen_reference import reference_greedy
 from hf_tiny import build_model, image_tokens, random_pixels, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax import plan as PL
-from prisma_jax.cli import main
-from prisma_jax.layers import Dense
-from prisma_jax.params import flatten
-from prisma_jax.sharding import make_mesh
+from prisma_jax.apps import plan as PL
+from prisma_jax.apps.cli import main
+from prisma_jax.nn.layers import Dense
+from prisma_jax.core.trees import flatten
+from prisma_jax.parallel.mesh import make_mesh
 
 BITS = 16
 STEPS = 16
@@ -200,7 +200,7 @@ def test_plan_decode_args_are_the_int8_params(models):
 
 
 def test_cli_quantize_flag(models, tmp_path, capsys):
-    from prisma_jax.processing import Processor, build_tokenizer
+    from prisma_jax.host.processing import Processor, build_tokenizer
 
     d = str(tmp_path)
     build_tokenizer(d, [f"w{i}" for i in range(115)], min_pixels=64 * 64, max_pixels=64 * 96)

@@ -30,7 +30,7 @@ def test_no_tracked_file_names_a_path_outside_the_repository():
 
 def test_the_check_finds_an_outside_path():
     assert OUTSIDE.search("see ../" + "shared/INTROSPECTION.md")
-    assert not OUTSIDE.search("shared the 2 cores; prisma_jax/sharding.py")
+    assert not OUTSIDE.search("shared the 2 cores; prisma_jax/core/partitioning.py")
 
 
 # Markdown links of the README and docs/: [text](target), outside code blocks; targets with a scheme are external.

@@ -1,4 +1,4 @@
-"""What importing prisma_jax sets up in the process (prisma_jax/runtime.py): glibc keeps freed pages, no result
+"""What importing prisma_jax sets up in the process (prisma_jax/core/runtime.py): glibc keeps freed pages, no result
 changes by a bit, and libtpu stays quiet on a machine without a TPU."""
 import os
 import subprocess

@@ -7,7 +7,7 @@ import pytest
 
 from hf_tiny import build_model, save_checkpoint, tiny_hf_config
 from prisma_jax import PrismaVL
-from prisma_jax.sampling import SamplingParams, UncertaintyTemperature, sample
+from prisma_jax.infer.sampling import SamplingParams, UncertaintyTemperature, sample
 
 L = 2**16
 

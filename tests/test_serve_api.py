@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from prisma_jax import PrismaVL
-from prisma_jax.processing import Processor
+from prisma_jax.host.processing import Processor
 from serve_helpers import agreement, data_url, make_checkpoint, pieces_of, png_bytes, solo, start
 
 EOS = 2          # <|im_end|>, the checkpoint's end token

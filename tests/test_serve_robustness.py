@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from prisma_jax import PrismaVL
-from prisma_jax.processing import Processor
+from prisma_jax.host.processing import Processor
 from serve_helpers import agreement, free_port, pieces_of, make_checkpoint, solo, start
 
 MSGS = [{"role": "user", "content": "w1 w2 w3"}]
@@ -116,7 +116,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(ckpt):
     assert len(ref[0]) > 50
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "prisma_jax.cli", "serve", "--model", d, "--port", str(port), "--slots", "1",
+    cmd = [sys.executable, "-m", "prisma_jax.apps.cli", "serve", "--model", d, "--port", str(port), "--slots", "1",
            "--max-len", "128", "--steps", "1", "--served-model-name", "tiny", "--drain-timeout", "60",
            "--log-level", "warning"]
     server = subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
@@ -162,7 +162,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(ckpt):
                                           (["--max-len", "0"], "--max-len must be ≥ 1"),
                                           (["--image-root", "/no/such/dir"], "not a directory")])
 def test_serve_cli_bad_arguments_are_one_line(ckpt, capsys, argv, message):
-    from prisma_jax.cli import main
+    from prisma_jax.apps.cli import main
 
     assert main(["serve", "--model", ckpt[0], *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prisma_jax.cli import main
-from prisma_jax.config import load_config
-from prisma_jax.params import flatten, param_shapes
-from prisma_jax.plan import all_gathers, forbidden_gathers, matmul_params, train_flops
-from prisma_jax.sharding import (CACHE_AXES, LOGICAL_RULES, MESH_AXES, PRESETS, MeshSpec, batch_shards, param_axes,
-                                 param_specs, spec_for, take_rows)
+from prisma_jax.apps.cli import main
+from prisma_jax.core.config import load_config
+from prisma_jax.core.trees import flatten
+from prisma_jax.nn.params import param_shapes
+from prisma_jax.apps.plan import all_gathers, forbidden_gathers, matmul_params, train_flops
+from prisma_jax.core.partitioning import CACHE_AXES, LOGICAL_RULES, MESH_AXES, batch_shards, spec_for, take_rows
+from prisma_jax.parallel.mesh import PRESETS, MeshSpec
+from prisma_jax.parallel.placement import param_axes, param_specs
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 CFG8 = load_config(os.path.join(ROOT, "configs", "prisma_vl_8b.yaml"))
@@ -77,7 +79,7 @@ def test_module_partition_specs_equal_the_param_shardings(preset):
     import jax
     from flax import nnx
 
-    from prisma_jax.model import PrismaVLModule
+    from prisma_jax.nn.model import PrismaVLModule
 
     p = PRESETS[preset]
     mesh = jax.sharding.AbstractMesh(p.train.shape(p.n_devices), MESH_AXES)
@@ -114,13 +116,13 @@ def test_a_batch_the_mesh_does_not_divide_is_an_error_naming_the_sizes():
 
 def test_other_dimensions_the_mesh_does_not_divide_are_replicated_with_one_log_line(caplog):
     mesh = FakeMesh(data=1, fsdp=2, tensor=3)
-    with caplog.at_level(logging.WARNING, logger="prisma_jax.sharding"):
+    with caplog.at_level(logging.WARNING, logger="prisma_jax.core.partitioning"):
         for _ in range(3):                                    # traced in a loop: still one line
             assert tuple(spec_for((128, 64), ("vocab", "hidden"), mesh)) == (None, "fsdp")
         assert tuple(spec_for((129, 64), ("vocab", "hidden"), mesh)) == ("tensor", "fsdp")   # 3 divides 129
         assert tuple(spec_for((131, 64), ("vocab", "hidden"), mesh)) == (None, "fsdp")
         assert tuple(spec_for((128, 64), ("vocab", "hidden"), FakeMesh(data=1, fsdp=2, tensor=5))) == (None, "fsdp")
-    lines = [r.getMessage() for r in caplog.records if r.name == "prisma_jax.sharding"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "prisma_jax.core.partitioning"]
     assert lines == ["sharding: logical axis 'vocab' of size 128 is not divisible by mesh axis tensor=3; replicated over it",
                      "sharding: logical axis 'vocab' of size 131 is not divisible by mesh axis tensor=3; replicated over it",
                      "sharding: logical axis 'vocab' of size 128 is not divisible by mesh axis tensor=5; replicated over it"]
@@ -161,7 +163,7 @@ def test_plan_rejects_unknown_preset(capsys):
 
 
 def test_plan_reads_the_tpu_compilers_refusal():
-    from prisma_jax.plan import compiler_oom
+    from prisma_jax.apps.plan import compiler_oom
     msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (21.39G) "
            "exceeds available HBM (15.75G).")
     assert compiler_oom(RuntimeError(msg)) == "HLO temporaries need 21.39 GiB > HBM 15.75 GiB"
@@ -169,7 +171,7 @@ def test_plan_reads_the_tpu_compilers_refusal():
 
 
 def _tiny_train_config(batch, seq):
-    from prisma_jax.plan import train_config
+    from prisma_jax.apps.plan import train_config
     return train_config(os.path.join(ROOT, "configs", "tiny.yaml"), batch, seq, images=0)
 
 
@@ -177,8 +179,8 @@ def test_plan_trains_with_image_slots(tmp_path):
     """A model-only YAML plans one 448² image a row, a training YAML its own data section, --images /
     --image-size override either; the planned batch is the trainer's: `Collate`'s slots, zero pixels, geometry."""
     import jax
-    from prisma_jax.plan import abstract_train_batch, image_tokens, train_config
-    from prisma_jax.sharding import make_mesh
+    from prisma_jax.apps.plan import abstract_train_batch, image_tokens, train_config
+    from prisma_jax.parallel.mesh import make_mesh
 
     tiny = os.path.join(ROOT, "configs", "tiny.yaml")
     c = train_config(tiny, 4, 512)
@@ -210,8 +212,8 @@ def test_plan_lowers_the_lora_step_with_the_trained_leaves_only():
     """With train.lora the planned state is the adapters and the table (float32, with Adam's moments), the base
     a bfloat16 argument; the step compiles, with fewer argument bytes than full fine-tuning."""
     import jax
-    from prisma_jax.plan import abstract_train_state, bytes_per_device, lower_train, memory, train_config
-    from prisma_jax.sharding import make_mesh
+    from prisma_jax.apps.plan import abstract_train_state, bytes_per_device, lower_train, memory, train_config
+    from prisma_jax.parallel.mesh import make_mesh
 
     tiny = os.path.join(ROOT, "configs", "tiny.yaml")
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
@@ -249,8 +251,8 @@ def test_plan_search_over_batch_then_sequence(monkeypatch, hbm, seq, want, calls
     """`search_train_batch` against a stand-in compiler whose memory is 2 GiB + 1 GiB per 512 tokens and
     which refuses (like libtpu) any program larger than HBM."""
     import jax
-    from prisma_jax import plan
-    from prisma_jax.sharding import Preset
+    from prisma_jax.apps import plan
+    from prisma_jax.parallel.mesh import Preset
     seen = []
 
     def fake_plan_train(tcfg, p, devices):
@@ -269,8 +271,8 @@ def test_plan_search_over_batch_then_sequence(monkeypatch, hbm, seq, want, calls
 
 def test_plan_search_stops_when_the_state_alone_exceeds_hbm(monkeypatch):
     import jax
-    from prisma_jax import plan
-    from prisma_jax.sharding import Preset
+    from prisma_jax.apps import plan
+    from prisma_jax.parallel.mesh import Preset
     monkeypatch.setattr(plan, "plan_train", lambda *a: pytest.fail("no compile should be needed"))
     p = Preset("fake-1", 1, 1e-6, None, None, MeshSpec(1, 1, 1), MeshSpec(1, 1, 1))
     best, r = plan.search_train_batch(_tiny_train_config, p, jax.devices()[:1], 64)

@@ -21,7 +21,7 @@ def res(tmp_path_factory):
     d = tmp_path_factory.mktemp("mesh")
     table = np.random.default_rng(3).normal(0, 0.02, (256, 64)).astype(np.float32)
     ckpt = save_checkpoint(build_model(tiny_hf_config()), str(d / "ckpt"), table=table)
-    from prisma_jax.cli import main as cli
+    from prisma_jax.apps.cli import main as cli
     assert cli(["convert", "hf-to-orbax", ckpt, str(d / "orbax")]) == 0
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = str(d / "mesh.json")

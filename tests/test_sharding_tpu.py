@@ -29,7 +29,7 @@ def test_tiny_decode_step_compiles_for_tpu_without_table_gathers(tmp_path):
     assert [k.split("_inline")[0] for k in r["decode_kernels"]["auto"]] == ["paged_flash_attention_kernel"]
     assert r["decode_kernels"]["xla"] == []
     # every TPU preset's abstract topology has the preset's device count (v4: megacore chips, one device each)
-    from prisma_jax.sharding import PRESETS
+    from prisma_jax.parallel.mesh import PRESETS
     assert r["topology_devices"] == {p.name: p.n_devices for p in PRESETS.values() if p.topology}
     assert r["arguments"] > 0 and r["memory_total"] >= r["arguments"]
 
@@ -53,7 +53,7 @@ def test_plan_tiny_uses_splash_kernels_on_tpu_and_says_so():
     (the decode loop: XLA), and `--attention xla` lowers no Pallas kernel."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
-    p = subprocess.run([sys.executable, "-m", "prisma_jax.cli", "plan", "--config",
+    p = subprocess.run([sys.executable, "-m", "prisma_jax.apps.cli", "plan", "--config",
                         os.path.join(HERE, "..", "configs", "tiny.yaml"), "--mesh", "v5p-8", "--seq", "256"],
                        env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -62,7 +62,7 @@ def test_plan_tiny_uses_splash_kernels_on_tpu_and_says_so():
     assert "  attention: pallas (splash) (model.attention=auto)\n" in train
     assert "  attention: xla (model.attention=auto)\n" in decode                 # head_dim 32: no decode kernel
 
-    script = ("import json; from prisma_jax.plan import *; from prisma_jax.sharding import make_mesh, preset\n"
+    script = ("import json; from prisma_jax.apps.plan import *; from prisma_jax.core.partitioning import make_mesh, preset\n"
               "mesh = make_mesh(preset('v5p-8').train, plan_devices(preset('v5p-8')))\n"
               "print(json.dumps({a: pallas_kernels(lower_train(train_config('configs/tiny.yaml', 4, 256, "
               "[f'model.attention={a}']), mesh).as_text()) for a in ('xla', 'pallas')}))")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from prisma_jax.cli import main as cli_main
-from prisma_jax.config import ConfigError
+from prisma_jax.apps.cli import main as cli_main
+from prisma_jax.core.config import ConfigError
 from train.config import config_from_raw, load_train_config
 from train.loop import run
 
@@ -57,7 +57,7 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
 
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
     wd = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "prisma_jax.cli", "train", "--config", SFT, "--workdir", wd, "--no-progress",
+    cmd = [sys.executable, "-m", "prisma_jax.apps.cli", "train", "--config", SFT, "--workdir", wd, "--no-progress",
            "train.steps=400", "train.batch_size=2", "train.seq_len=16", "train.grad_accum=1",
            "data.source=synthetic", "data.max_images=0", "checkpoint.every=1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -107,7 +107,7 @@ def test_sigterm_during_a_save_call_stops_after_the_next_step_and_saves_it(tmp_p
 
 def write_jsonl(tmp_path, lines, image=True):
     from PIL import Image
-    from prisma_jax.processing import build_tokenizer
+    from prisma_jax.host.processing import build_tokenizer
     from train.tiny_sft import WORDS
     d = tmp_path / "data"
     d.mkdir(exist_ok=True)
@@ -137,7 +137,7 @@ def jsonl_cfg(path, proc, **data):
 
 
 def test_jsonl_pipeline_targets_images_and_overlong_policy(tmp_path):
-    from prisma_jax.processing import Processor
+    from prisma_jax.host.processing import Processor
     from train.data import build, index_jsonl
     path, proc = write_jsonl(tmp_path, [GOOD, LONG, SHORT])
     processor = Processor.from_pretrained(proc)
@@ -196,7 +196,7 @@ def test_image_cache_gives_the_same_batches_and_processes_each_image_once(tmp_pa
 
 
 def test_malformed_line_names_file_and_line_or_is_skipped(tmp_path):
-    from prisma_jax.processing import Processor
+    from prisma_jax.host.processing import Processor
     from train.data import index_jsonl
     path, proc = write_jsonl(tmp_path, [GOOD, "{not json", GOOD])
     processor = Processor.from_pretrained(proc)
@@ -207,7 +207,7 @@ def test_malformed_line_names_file_and_line_or_is_skipped(tmp_path):
 
 
 def test_missing_image_is_a_clear_error(tmp_path):
-    from prisma_jax.processing import Processor
+    from prisma_jax.host.processing import Processor
     from train.data import index_jsonl
     path, proc = write_jsonl(tmp_path, [GOOD, GOOD.replace("red.png", "gone.png")])
     with pytest.raises(ValueError, match=r"train.jsonl:2: image not found: .*gone.png"):
@@ -246,7 +246,7 @@ def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys, monkeypatch)
     the ones Orbax holds for that step; bad steps, workdirs and destinations are refused by name."""
     import orbax.checkpoint as ocp
 
-    from prisma_jax.loading import load_hf
+    from prisma_jax.checkpoint.loading import load_hf
 
     wd = str(tmp_path / "run")
     cfg = small(train__steps=2, checkpoint__every=1, data__source="synthetic", data__max_images=0)
@@ -283,7 +283,7 @@ def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys, monkeypatch)
     import filecmp
     import importlib.util
 
-    from prisma_jax.params import get_path
+    from prisma_jax.core.trees import get_path
     from train import export as export_mod
 
     spec = importlib.util.spec_from_file_location("convert_memory", os.path.join(ROOT, "benchmarks", "convert_memory.py"))
@@ -317,7 +317,7 @@ def test_train_to_hf_exports_a_checkpoints_params(tmp_path, capsys, monkeypatch)
 def test_piece_writer_writes_the_streaming_writers_bytes_and_refuses_gaps(tmp_path):
     """safetensors_io.PieceWriter: pieces in any order (whole rows, parts of rows) give write_streaming's file;
     a misshapen piece or a tensor left short is an error naming it."""
-    from prisma_jax.safetensors_io import PieceWriter, write_streaming
+    from prisma_jax.checkpoint.safetensors import PieceWriter, write_streaming
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal(7).astype(np.float32)
@@ -347,7 +347,7 @@ def jax_leaves(tree):
 
 
 def test_a_conversation_without_an_assistant_reply_is_a_clear_error(tmp_path):
-    from prisma_jax.processing import Processor
+    from prisma_jax.host.processing import Processor
     from train.data import index_jsonl
     path, proc = write_jsonl(tmp_path, [GOOD, json.dumps({"messages": [{"role": "user", "content": "count to two"}]})])
     with pytest.raises(ValueError, match=r"train.jsonl:2: no assistant message \(nothing to supervise\)"):

@@ -12,9 +12,9 @@ import yaml
 
 from hf_tiny import IMAGE, VEND, VSTART, build_model, image_tokens, random_pixels, reference_logits, \
     save_checkpoint, tiny_hf_config
-from prisma_jax.inputs import prepare
-from prisma_jax.loading import load_hf
-from prisma_jax.params import init_params_numpy
+from prisma_jax.host.inputs import prepare
+from prisma_jax.checkpoint.loading import load_hf
+from prisma_jax.nn.params import init_params_numpy
 from train import step as S
 from train.config import ConfigError, config_from_raw
 from train.data import Collate

@@ -1,4 +1,4 @@
-"""Tunix (google-tunix 0.1.7) drives Prisma-VL through `prisma_jax.tunix.PrismaTunix`, unchanged on Tunix's side:
+"""Tunix (google-tunix 0.1.7) drives Prisma-VL through `prisma_jax.integrations.tunix.PrismaTunix`, unchanged on Tunix's side:
 its `Sampler` against `PrismaVL.generate` (text and image prompts: tokens, and every step's logits, which a
 wrong uncertainty code would change), its `PeftTrainer` against `PrismaVL.forward` (the first loss) and against
 the params it must not touch (bit equality)."""
@@ -11,12 +11,13 @@ import tunix
 import jax.numpy as jnp
 from hf_tiny import image_tokens, random_pixels
 from prisma_jax import PrismaVL
-from prisma_jax.lora import LoraSpec, is_adapter, merge
-from prisma_jax.model import to_params
-from prisma_jax.params import TABLE_PATH, flatten
-from prisma_jax.rope import rope_index
-from prisma_jax.tunix import PrismaTunix, loss_fn, model_input_fn, rope_positions
-from prisma_jax.uncertainty import codes_from_logits, prompt_codes, shift_codes
+from prisma_jax.nn.lora import LoraSpec, is_adapter, merge
+from prisma_jax.nn.model import to_params
+from prisma_jax.nn.params import TABLE_PATH
+from prisma_jax.core.trees import flatten
+from prisma_jax.nn.rope import rope_index
+from prisma_jax.integrations.tunix import PrismaTunix, loss_fn, model_input_fn, rope_positions
+from prisma_jax.nn.uncertainty import codes_from_logits, prompt_codes, shift_codes
 
 PAD, EOS = 0, 1
 GRID = (1, 4, 6)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prisma_jax.uncertainty import Uncertainty, codes_from_logits, entropy, prompt_codes, shift_codes
+from prisma_jax.nn.uncertainty import Uncertainty, codes_from_logits, entropy, prompt_codes, shift_codes
 
 
 def ref_entropy64(z):

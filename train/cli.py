@@ -8,8 +8,8 @@ import os
 
 
 def _run(args) -> int:
-    from .config import load_train_config
-    from .loop import run
+    from train.config import load_train_config
+    from train.loop import run
 
     cfg, _ = load_train_config(args.config, args.overrides)
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])

@@ -1,9 +1,9 @@
 """The training configuration: strict dataclasses for the YAML sections and `key=value` overrides.
 
-A training YAML holds the model (`model:`, prisma_jax/config.py's schema) and four sections of ours:
+A training YAML holds the model (`model:`, prisma_jax/core/config.py's schema) and four sections of ours:
 
     train:      steps, batch size, sequence length, accumulation, introspection passes, dtype, remat, freezing,
-                LoRA (`lora: {rank, alpha, targets, dropout}`: adapters on a frozen base; prisma_jax/lora.py),
+                LoRA (`lora: {rank, alpha, targets, dropout}`: adapters on a frozen base; prisma_jax/nn/lora.py),
                 `logits_chunk` (the head and loss over sequence chunks: train/step.py `head_xent`)
     optimizer:  AdamW + warmup-cosine + global-norm clipping; weight decay on kernels and embedding tables
                 (token embedding, position embedding, uncertainty table), never on norm scales or biases
@@ -23,9 +23,9 @@ import typing
 
 import yaml
 
-from prisma_jax.config import ConfigError, ModelConfig, config_from_dict, read_yaml
-from prisma_jax.lora import LoraSpec
-from prisma_jax.sharding import MeshSpec
+from prisma_jax.core.config import ConfigError, ModelConfig, config_from_dict, read_yaml
+from prisma_jax.nn.lora import LoraSpec
+from prisma_jax.parallel.mesh import MeshSpec
 
 FREEZE_GROUPS = ("vision", "embed", "layers", "text", "lm_head", "uncertainty")
 REMAT_POLICIES = ("none", "full", "dots")

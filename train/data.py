@@ -39,12 +39,12 @@ import grain
 import jax
 import numpy as np
 
-from prisma_jax.inputs import prepare
-from prisma_jax.processing import resolve_messages
-from prisma_jax.vision import VisionGeometry, vision_geometry
+from prisma_jax.host.inputs import prepare
+from prisma_jax.host.processing import resolve_messages
+from prisma_jax.nn.vision import VisionGeometry, vision_geometry
 
-from .config import Config
-from .step import IGNORE, NO_LOSS, TrainBatch
+from train.config import Config
+from train.step import IGNORE, NO_LOSS, TrainBatch
 
 
 @dataclasses.dataclass
@@ -104,7 +104,7 @@ def mark_loss(messages: list, where: str) -> tuple[list, list[bool]]:
     item of an assistant message: that text is not learned (`"loss": true` on an item of a `"loss": false`
     message: only that text is). Not learned = target NO_LOSS: no loss, no gradient, but the code of the
     distribution it is drawn from still feeds the next position (docs/introspection-contract.md §4)."""
-    from prisma_jax.processing import FLIP_CLOSE, FLIP_OPEN
+    from prisma_jax.host.processing import FLIP_CLOSE, FLIP_OPEN
 
     def flag(obj, what, default=True):
         v = obj.get("loss", default)
@@ -162,7 +162,7 @@ def _cut(cfg: Config, ids: np.ndarray, limit: int) -> int:
 
 def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataInfo]:
     """Parse, validate and tokenize every line; apply the length policy. Errors name file and line."""
-    from prisma_jax.processing import expand_image_tokens
+    from prisma_jax.host.processing import expand_image_tokens
 
     d, s = cfg.data, cfg.train.seq_len
     info = DataInfo()
@@ -286,7 +286,7 @@ class LoadImages:
     def _pixels(self, rec: Record) -> np.ndarray:
         from PIL import Image
 
-        from prisma_jax.processing import load_image
+        from prisma_jax.host.processing import load_image
         size = self.cfg.data.image_size
         pil = [load_image(p).resize((size, size), Image.BICUBIC) for p in rec.images]
         enc = self.improc(images=pil, return_tensors="np")
@@ -420,10 +420,10 @@ def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None 
     if d.source == "synthetic":
         ds, info, improc = grain.MapDataset.source(SyntheticSource(cfg)), DataInfo(records=-1), None
     else:
-        from prisma_jax.processing import Processor
+        from prisma_jax.host.processing import Processor
         path, proc_dir = d.path, d.processor
         if d.source == "tiny_sft":
-            from .tiny_sft import generate
+            from train.tiny_sft import generate
             path, proc_dir = generate(os.path.join(workdir, "tiny_sft_data"))
         processor = Processor.from_pretrained(proc_dir)
         records, info = index_jsonl(cfg, path, processor)

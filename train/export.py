@@ -28,12 +28,13 @@ import os
 
 import numpy as np
 
-from conversion import orbax_layout as L
+from prisma_jax.checkpoint import orbax as L
 from conversion.orbax_to_hf import MAX_SHARD_BYTES
 from conversion.staging import Staging, check_destination, copy_side_files
-from prisma_jax.config import ModelConfig, config_from_dict, config_to_hf
-from prisma_jax.params import get_path, hf_names, set_path
-from prisma_jax.safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, PieceWriter, plan_shards
+from prisma_jax.core.config import ModelConfig, config_from_dict, config_to_hf
+from prisma_jax.core.trees import get_path, set_path
+from prisma_jax.checkpoint.hf_names import hf_names
+from prisma_jax.checkpoint.safetensors import INDEX_NAME, SINGLE_NAME, CheckpointError, PieceWriter, plan_shards
 
 REGION_BYTES = 256 << 20   # the most read at once, unless one storage chunk is larger
 
@@ -45,7 +46,7 @@ class TrainCheckpoint:
     def __init__(self, workdir: str, step: int | None = None):
         import orbax.checkpoint as ocp
 
-        from .loop import CHECKPOINT_ITEMS, checkpoint_dir
+        from train.loop import CHECKPOINT_ITEMS, checkpoint_dir
 
         directory = checkpoint_dir(workdir)
         if not os.path.isdir(directory):
@@ -259,8 +260,8 @@ def _run_config(workdir: str, step: int):
     """(the run's training Config, its base identity or None), as its checkpoint's meta recorded them."""
     import orbax.checkpoint as ocp
 
-    from .config import config_from_raw
-    from .loop import CHECKPOINT_ITEMS, checkpoint_dir
+    from train.config import config_from_raw
+    from train.loop import CHECKPOINT_ITEMS, checkpoint_dir
 
     mngr = ocp.CheckpointManager(checkpoint_dir(workdir), item_names=CHECKPOINT_ITEMS)
     try:
@@ -271,9 +272,10 @@ def _run_config(workdir: str, step: int):
 
 
 def _trained_leaves(tcfg, leaf) -> dict:
-    from prisma_jax.params import flatten, param_shapes
+    from prisma_jax.core.trees import flatten
+    from prisma_jax.nn.params import param_shapes
 
-    from .step import is_trained
+    from train.step import is_trained
 
     out: dict = {}
     for path, _ in flatten(param_shapes(tcfg.model, tcfg.train.lora)):
@@ -286,11 +288,11 @@ def _merged(tcfg, trained: dict, base: dict) -> dict:
     """The base (checked against the run's record) with the trained table and the adapters folded in."""
     import jax
 
-    from prisma_jax.lora import merge
-    from prisma_jax.params import init_params
+    from prisma_jax.nn.lora import merge
+    from prisma_jax.nn.params import init_params
 
-    from .loop import _initial_params, base_identity
-    from .step import combine, partition
+    from train.loop import _initial_params, base_identity
+    from train.step import combine, partition
 
     if base_identity(tcfg) != base:
         raise ValueError(f"the run's base ({base.get('path', base)}) has changed since training: its files' crc32s "
@@ -314,8 +316,9 @@ def get_path_or_none(tree: dict, path):
 def _write_adapters(tcfg, trained: dict, base: dict, dst: str, overwrite: bool) -> None:
     from safetensors.numpy import save_file
 
-    from prisma_jax.lora import peft_config, peft_tensors
-    from prisma_jax.params import TABLE_PATH, UNCERTAINTY_KEY
+    from prisma_jax.checkpoint.peft import peft_config, peft_tensors
+    from prisma_jax.nn.params import TABLE_PATH
+    from prisma_jax.checkpoint.hf_names import UNCERTAINTY_KEY
 
     tensors = peft_tensors(trained, tcfg.model, tcfg.train.lora)
     with Staging(dst, overwrite) as tmp:

@@ -41,11 +41,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from prisma_jax.sharding import batch_shards
+from prisma_jax.core.partitioning import batch_shards
 
-from . import data as data_mod, sharded
-from .config import Config
-from .step import TrainState, init_lora, init_state, make_train_step
+from train import data as data_mod, sharded
+from train.config import Config
+from train.step import TrainState, init_lora, init_state, make_train_step
 
 
 class _Preemption:
@@ -144,7 +144,7 @@ def _as_dict(state: TrainState) -> dict:
 def _initial_params(cfg: Config):
     if cfg.train.init is None:
         return None
-    from prisma_jax.loading import load_hf
+    from prisma_jax.checkpoint.loading import load_hf
     params, mcfg = load_hf(cfg.train.init, dtype="float32")
     mcfg = mcfg.replace(attention=cfg.model.attention)         # the kernels are the run's choice, not the model's
     if mcfg != cfg.model:

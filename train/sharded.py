@@ -1,6 +1,6 @@
 """Training on a device mesh (`train.mesh`): where the state and each batch live.
 
-The parameters follow the model's logical rules (prisma_jax/sharding.py), Adam's moments follow their
+The parameters follow the model's logical rules (prisma_jax/core/partitioning.py), Adam's moments follow their
 parameter, step and RNG are replicated. A batch `[A, b, S]` is split over the batch axes (data × fsdp) on its
 row axis; each process puts only its own rows (train/data.py already reads `process_index::process_count`),
 so the same code runs on one host and on a pod. Pixel values are per row (`[A, b, slots·patches, ·]`, each
@@ -15,12 +15,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prisma_jax import multihost
-from prisma_jax.distribute import load_hf_sharded, put_global
-from prisma_jax.sharding import make_mesh, opt_state_shardings, param_shardings
+from prisma_jax.parallel import multihost
+from prisma_jax.parallel.distribute import load_hf_sharded, put_global
+from prisma_jax.parallel.mesh import make_mesh
+from prisma_jax.parallel.placement import opt_state_shardings, param_shardings
 
-from .config import Config
-from .step import TrainBatch, TrainState, fresh_state, is_trained, lora_init, partition
+from train.config import Config
+from train.step import TrainBatch, TrainState, fresh_state, is_trained, lora_init, partition
 
 # the row (batch) axis of each TrainBatch field
 ROW_AXIS = {"input_ids": 1, "attention_mask": 1, "codes": 1, "targets": 1, "positions": 2, "pixel_values": 1}

@@ -31,16 +31,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from prisma_jax.lora import is_adapter
-from prisma_jax.model import Batch, bind, head_logits
-from prisma_jax.params import TABLE_PATH, init_params
-from prisma_jax.quantize import refuse_training
-from prisma_jax.sharding import constrain
-from prisma_jax.text import unroll_default, unstack_layers
-from prisma_jax.uncertainty import codes_from_entropy, entropy_parts, shift_codes
-from prisma_jax.vision import VisionGeometry
+from prisma_jax.nn.lora import is_adapter
+from prisma_jax.nn.model import Batch, bind, head_logits
+from prisma_jax.nn.params import TABLE_PATH, init_params
+from prisma_jax.quant.int8 import refuse_training
+from prisma_jax.core.partitioning import constrain
+from prisma_jax.nn.text import unroll_default
+from prisma_jax.nn.uncertainty import codes_from_entropy, entropy_parts, shift_codes
+from prisma_jax.nn.vision import VisionGeometry
 
-from .config import Config
+from train.config import Config
 
 LOW, HIGH = 0.25, 0.75   # code summary thresholds, as fractions of the code range [0, L−1]
 # Target values that are not a token id. IGNORE: the position is not supervised (prompt, padding): no loss, and its
@@ -222,10 +222,7 @@ def unrolled(cfg: Config) -> bool:
 def _bind(cfg: Config, params: dict):
     """The model on `params`, its decoder layers unrolled when `unrolled(cfg)` (text.py's two layouts compute
     the same)."""
-    model = bind(cfg.model, params, cfg.train.lora)
-    if unrolled(cfg):
-        unstack_layers(model.text)
-    return model
+    return bind(cfg.model, params, cfg.train.lora, unroll=unrolled(cfg))
 
 
 def _last_pass(cfg: Config, params: dict, mb: Batch, targets: jax.Array, remat: str = "none"):

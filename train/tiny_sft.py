@@ -2,7 +2,7 @@
 
 48 conversations over a 40-word vocabulary (+ specials and roles): 32 ask about a 64×64 PNG (a coloured shape on a coloured
 background; the answer names both), 16 are text-only (counting, opposites). The word-level tokenizer and
-the image-processor config come from `prisma_jax.processing.build_tokenizer`, so the ids match
+the image-processor config come from `prisma_jax.host.processing.build_tokenizer`, so the ids match
 `configs/tiny.yaml` (image 5, video 6, vision start 3, end 4). Written to a temporary sibling directory and
 renamed, so a directory that exists is complete.
 """
@@ -67,7 +67,7 @@ def _conversations(img_dir: str) -> list[dict]:
 
 def generate(directory: str) -> tuple[str, str]:
     """(JSONL path, processor directory), creating them under `directory` unless already there."""
-    from prisma_jax.processing import build_tokenizer
+    from prisma_jax.host.processing import build_tokenizer
 
     jsonl, proc = os.path.join(directory, "train.jsonl"), os.path.join(directory, "processor")
     if os.path.isfile(jsonl) and os.path.isdir(proc):
