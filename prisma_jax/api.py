@@ -7,12 +7,13 @@
     model.module                        # the same weights as a Flax NNX `model.PrismaVLModule`
 
     model = PrismaVL.from_pretrained(path, dtype="bfloat16", mesh={"data": 2, "fsdp": 2, "tensor": 2})  # or "cpu-8"
-    model = PrismaVL.from_pretrained(path, quantize="int8")   # int8 weight-only kernels for generation (quantize.py)
+    model = PrismaVL.from_pretrained(path, quantize="int8")   # int8 weight-only kernels for generation (quant/int8.py)
 
-With a mesh (a `sharding.MeshSpec`, a dict of axis sizes, a preset name or a `jax.sharding.Mesh`), every
-parameter is created directly in its sharding (distribute.py) and the entry points run under that mesh.
+With a mesh (a `parallel.mesh.MeshSpec`, a dict of axis sizes, a preset name or a `jax.sharding.Mesh`), every
+parameter is created directly in its sharding (parallel/distribute.py) and the entry points run under that mesh; they
+take any number of rows, padding the batch to a multiple of the mesh's batch shards and dropping the padding.
 
-Inputs are checked on the host (`inputs.prepare`) before any device work; the math is `model.forward` under
+Inputs are checked on the host (`host.inputs.prepare`) before any device work; the math is `infer.core.forward` under
 `jax.jit` with the config static. The object holds data only (config, params, generation defaults): every
 compiled entry point is a pure function of them.
 """
@@ -34,6 +35,7 @@ from prisma_jax.checkpoint.loading import load_hf, resolve_dtype
 from prisma_jax.nn.params import init_params_numpy
 from prisma_jax.quant.int8 import check_mode, is_quantized
 from prisma_jax.parallel.mesh import make_mesh
+from prisma_jax.core.partitioning import batch_shards
 from prisma_jax.nn.uncertainty import codes_from_logits
 
 _forward = jax.jit(core.forward, static_argnums=0)
@@ -104,7 +106,7 @@ class PrismaVL:
         return cls(cfg, params)
 
     def quantize(self, mode: str = "int8") -> "PrismaVL":
-        """This model with int8 weight-only kernels, for generation (quantize.py says which tensors and how);
+        """This model with int8 weight-only kernels, for generation (quant/int8.py says which tensors and how);
         the unquantized leaves keep their dtype, which stays the compute dtype. It cannot be trained."""
         from prisma_jax.quant.int8 import quantize_params
 
@@ -138,12 +140,14 @@ class PrismaVL:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _place(self, batch):
-        """A host `model.Batch` → device arrays laid out by the batch rules (unchanged without a mesh)."""
+        """A host `model.Batch` → (device arrays laid out by the batch rules, its real row count); under a mesh
+        the rows are first padded to a multiple of its batch shards (`_pad_rows`). Unchanged without a mesh."""
+        rows = batch.input_ids.shape[0]
         if self.mesh is None:
-            return batch
+            return batch, rows
         from prisma_jax.parallel.distribute import shard_batch
 
-        return shard_batch(batch, self.mesh)
+        return shard_batch(_pad_rows(self.config, batch, -rows % batch_shards(self.mesh)), self.mesh), rows
 
     # ------------------------------------------------------------------------------------------ inference
     def prepare(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, codes_in=None):
@@ -155,7 +159,9 @@ class PrismaVL:
         prompt rule of docs/introspection-contract.md §4 (first real token none, neutral elsewhere)."""
         batch = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw, codes_in)
         with self._precision(), self._on_mesh():
-            return _forward(self.config, self.params, self._place(batch))
+            batch, rows = self._place(batch)
+            logits = _forward(self.config, self.params, batch)
+            return logits if logits.shape[0] == rows else logits[:rows]
 
     def uncertainty_codes(self, logits) -> np.ndarray:
         """docs/introspection-contract.md §2 codes (uint16) of logits [..., V]."""
@@ -182,6 +188,21 @@ class PrismaVL:
             return generate(self.config, self.params, input_ids, attention_mask, pixel_values, image_grid_thw,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, eos_token_id=eos_token_id, **kw)
+
+
+def _pad_rows(cfg: ModelConfig, batch, more: int):
+    """`batch` (host arrays) with `more` dummy rows appended, so that a mesh splits the rows evenly: text only,
+    left-padded, one real token each (an id that is no vision placeholder); callers drop their outputs. The
+    packed pixel_values belong to the real rows and stay as they are."""
+    if not more:
+        return batch
+    fill = min({0, 1, 2} - {cfg.image_token_id, cfg.video_token_id})
+    mask = np.zeros((more, batch.input_ids.shape[1]), bool)
+    mask[:, -1] = True
+    pad = prepare(cfg, np.full(mask.shape, fill), mask)
+    cat = lambda k, axis=0: np.concatenate([getattr(batch, k), getattr(pad, k)], axis)  # noqa: E731
+    return batch._replace(input_ids=cat("input_ids"), attention_mask=cat("attention_mask"), codes=cat("codes"),
+                          positions=cat("positions", 1))
 
 
 def _as_mesh(mesh) -> jax.sharding.Mesh:

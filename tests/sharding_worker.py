@@ -363,9 +363,11 @@ def scenario_table(ckpt: str, seed: str, out: str) -> None:
         return None
 
     ids = np.random.default_rng(1).integers(7, hf.config.text.vocab_size, (3, 10))
-    res["forward_odd_batch"] = error(lambda: hf.forward(ids))
-    res["forward_even_batch"] = error(lambda: hf.forward(np.concatenate([ids, ids[:1]])))
     one = PrismaVL.from_pretrained(ckpt, uncertainty_init="normal", seed=seed)
+    res["forward_odd_batch"] = error(lambda: hf.forward(ids))
+    res["forward_odd_batch_equal"] = bool(np.allclose(np.asarray(hf.forward(ids)), np.asarray(one.forward(ids)),
+                                                      rtol=1e-5, atol=1e-5))
+    res["forward_even_batch"] = error(lambda: hf.forward(np.concatenate([ids, ids[:1]])))
     g1, g8 = one.generate(ids, max_new_tokens=5), hf.generate(ids, max_new_tokens=5)
     res["generate_odd_batch_shape"] = list(g8.tokens.shape)
     res["generate_odd_batch_equal"] = bool(np.array_equal(g1.tokens, g8.tokens) and np.array_equal(g1.codes, g8.codes)

@@ -62,7 +62,7 @@ def test_plan_tiny_uses_splash_kernels_on_tpu_and_says_so():
     assert "  attention: pallas (splash) (model.attention=auto)\n" in train
     assert "  attention: xla (model.attention=auto)\n" in decode                 # head_dim 32: no decode kernel
 
-    script = ("import json; from prisma_jax.apps.plan import *; from prisma_jax.core.partitioning import make_mesh, preset\n"
+    script = ("import json; from prisma_jax.apps.plan import *; from prisma_jax.parallel.mesh import make_mesh, preset\n"
               "mesh = make_mesh(preset('v5p-8').train, plan_devices(preset('v5p-8')))\n"
               "print(json.dumps({a: pallas_kernels(lower_train(train_config('configs/tiny.yaml', 4, 256, "
               "[f'model.attention={a}']), mesh).as_text()) for a in ('xla', 'pallas')}))")

@@ -66,7 +66,7 @@ def add_parser(subparsers) -> None:
     from prisma_jax.quant.int8 import MODES
 
     p.add_argument("--quantize", default=None, choices=MODES,
-                   help="int8 weight-only kernels (the decoder's projections and lm_head; quantize.py)")
+                   help="int8 weight-only kernels (the decoder's projections and lm_head; quant/int8.py)")
     p.add_argument("--mesh", default=None, help=MESH_HELP)
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"],
                    help="attention kernels: auto = splash on TPU, cuDNN on GPU, XLA on CPU (prisma_jax/nn/attention.py)")

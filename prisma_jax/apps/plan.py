@@ -5,7 +5,7 @@ a CPU host, with the real TPU compiler (libtpu from the `[tpu]` extra) — nothi
                 [--search] [--quantize int8] [--attention auto|xla|pallas]
 
 `jax.experimental.topologies.get_topology_desc` gives abstract TPU devices for the preset's topology
-(sharding.PRESETS); every input is a `ShapeDtypeStruct` carrying its sharding (sharding.py's rules). For each
+(parallel/mesh.py PRESETS); every input is a `ShapeDtypeStruct` carrying its sharding (core/partitioning.py's rules). For each
 step we print per-device bytes from `memory_analysis()` against the chip's HBM ("fits" / "does not fit"),
 the analytic FLOPs (6·N·tokens + attention; XLA's cost analysis counts a scanned layer body once), and any
 all-gather in the compiled HLO that materialises a whole table or `[B, V]` logits. `--mesh cpu-8` compiles
@@ -13,7 +13,7 @@ for 8 simulated CPU devices instead. The programs are the real ones: the trainin
 `make_train_step` fed the batch train/data.py's `Collate` builds (its image slots included: a model-only YAML
 plans PLAN_IMAGES image a row of PLAN_IMAGE_SIZE²); the decode program is generate.py's `decode` (the
 `lax.while_loop` `generate` runs, greedy) on the state generate.py's `prefill` returns. `--quantize int8`
-plans that decode program on the int8 params (quantize.py) and no training step (they cannot be trained).
+plans that decode program on the int8 params (quant/int8.py) and no training step (they cannot be trained).
 Each program's line "attention:" names the kernels its lowered program holds (`pallas (splash)` when it calls
 splash attention's Pallas kernels, `pallas (paged)` for the decode kernel, else `xla`) and the
 `model.attention` asked for (`--attention`).
@@ -88,7 +88,7 @@ def decode_args(cfg: ModelConfig, mesh: Mesh, batch: int, cache_len: int, dtype=
     """generate.decode's arguments after (cfg, spec), as sharded `ShapeDtypeStruct`s: the state is what
     generate.prefill returns (traced, not compiled) for a `[batch, cache_len − new_bucket]` prompt. The KV
     cache follows CACHE_AXES, every `[B, ...]` leaf is split over the batch axes, the rest is replicated.
-    `quantize="int8"`: the params are the int8 dict (quantize.py), its other leaves in `dtype`."""
+    `quantize="int8"`: the params are the int8 dict (quant/int8.py), its other leaves in `dtype`."""
     from prisma_jax.quant import int8 as Q
     from prisma_jax.infer import generate as G
     from prisma_jax.infer.sampling import SamplingParams
@@ -555,7 +555,7 @@ def add_parser(sub):
     ap.add_argument("--no-decode", action="store_true", help="only the training step")
     from prisma_jax.quant.int8 import MODES
 
-    ap.add_argument("--quantize", choices=MODES, help="plan the decode loop on int8 weights (quantize.py); "
+    ap.add_argument("--quantize", choices=MODES, help="plan the decode loop on int8 weights (quant/int8.py); "
                     "no training step")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override, e.g. train.remat=dots (repeatable)")

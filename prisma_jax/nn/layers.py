@@ -3,7 +3,7 @@ rotary embedding, attention.
 
 Each leaf module holds its `nnx.Param`s as direct attributes (`kernel`, `bias`, `embedding`, `scale`) and does
 its own matmul or lookup; every Param carries its logical sharding axes (`out_sharding`, resolved by
-sharding.py's rules: `sharding.param_specs`). A stacked module (`stacked`) gets the leading "layers" axis.
+core/partitioning.py's rules: `placement.param_specs`). A stacked module (`stacked`) gets the leading "layers" axis.
 
 Numerics follow transformers' Qwen3-VL exactly (docs/design.md): RMSNorm normalises in float32 and casts back
 before the weight; LayerNorm uses the two-pass variance; softmax runs in float32.

@@ -8,7 +8,7 @@
 * `put_global` / `shard_batch`: host arrays (the same global array on every host) → global jax Arrays laid
   out by the batch rules. `multihost.host_batch` is the per-host-slice variant for input pipelines.
 
-The layout itself (which axis goes where) is sharding.py's business; this file only places bytes.
+The layout itself (which axis goes where) is core/partitioning.py's business; this file only places bytes.
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def is_quantized(params: dict) -> bool:
 
 def refuse_training(params: dict) -> None:
     if is_quantized(params):
-        raise ValueError("these params are int8-quantized (quantize.py): they are for generation only and cannot be "
+        raise ValueError("these params are int8-quantized (quant/int8.py): they are for generation only and cannot be "
                          "trained; train the float checkpoint and quantize it afterwards")
 
 

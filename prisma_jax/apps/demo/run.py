@@ -29,7 +29,7 @@ from prisma_jax.apps.demo import dataset as D
 from prisma_jax.apps.demo import report as R
 
 ARMS = ("feedback", "no_feedback")
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "demo.yaml")
 MAX_NEW_TOKENS = 4          # longest answer ("top left") + the end token, plus one
 GEN_BATCH = 100
 # The vision tower's position table is drawn at unit scale, not normal(0, 0.02): the language model then finds
