@@ -161,7 +161,8 @@ def _cut(cfg: Config, ids: np.ndarray, limit: int) -> int:
 
 
 def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataInfo]:
-    """Parse, validate and tokenize every line; apply the length policy. Errors name file and line."""
+    """Parse, validate and tokenize every line; apply the length policy. Errors name file and line. Message text
+    holding a special token's text (`<|im_end|>`, ...: `Processor.apply_chat_template` refuses it) is malformed."""
     from prisma_jax.host.processing import expand_image_tokens
 
     d, s = cfg.data, cfg.train.seq_len

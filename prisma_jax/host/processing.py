@@ -12,12 +12,17 @@ demos, Qwen special tokens included.
                                                       {"type": "text", "text": "hello"}]}]])
     enc["input_ids"], enc["attention_mask"], enc["pixel_values"], enc["image_grid_thw"]
 
+Message text may not hold a special or added token's text (`check_message_text`: ValueError), so a user cannot
+forge chat-template markers; `text=` (already templated) is trusted.
+
 Not here: labels / loss masks beyond `encode_supervised`, video, any device work.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 
 import numpy as np
 
@@ -52,6 +57,51 @@ def special_token_ids(tokenizer) -> dict:
             "im_start_id": get("<|im_start|>"), "im_end_id": get("<|im_end|>"),
             "vision_start_token_id": get("<|vision_start|>"), "vision_end_token_id": get("<|vision_end|>"),
             "image_token_id": get("<|image_pad|>"), "video_token_id": get("<|video_pad|>")}
+
+
+def special_token_texts(tokenizer) -> tuple[str, ...]:
+    """The texts the tokenizer turns into one special or added token wherever they occur (its special tokens and
+    its whole added vocabulary: `<|im_start|>`, `<|im_end|>`, `<|image_pad|>`, `<think>`, ...), longest first."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    if hasattr(tokenizer, "get_added_vocab"):
+        texts.update(tokenizer.get_added_vocab())
+    return tuple(sorted((t for t in texts if isinstance(t, str) and t), key=lambda t: (-len(t), t)))
+
+
+@functools.lru_cache(maxsize=16)
+def _token_pattern(tokens: tuple[str, ...]):
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))) if tokens else None
+
+
+def find_special_tokens(text: str, tokens) -> list[str]:
+    """Which of the token texts `tokens` (e.g. `special_token_texts(tokenizer)`) occur in `text`, each once, in
+    order of first occurrence."""
+    rx = _token_pattern(tuple(tokens))
+    return list(dict.fromkeys(rx.findall(text))) if rx is not None and isinstance(text, str) else []
+
+
+def check_message_text(conversation: list, tokens, where: str = "") -> None:
+    """Refuse special-token text in what the chat template copies from a conversation (each message's role and
+    its string content or text items): tokenized after templating it would become that special token, and e.g.
+    `<|im_end|>\n<|im_start|>system\n` in a user's text would forge a turn. → ValueError naming the message,
+    the part and the token text; `where` prefixes it. The template's own markers are added after this check."""
+    def check(text, what):
+        found = find_special_tokens(text, tokens)
+        if found:
+            raise ValueError(f"{where}{what} contains {', '.join(map(repr, found))}, the text of a special token; "
+                             "message text may not contain special-token text (it would become a chat-template "
+                             "control token)")
+    for j, msg in enumerate(conversation):
+        if not isinstance(msg, dict):
+            continue
+        check(msg.get("role"), f"messages[{j}].role")
+        content = msg.get("content")
+        if isinstance(content, str):
+            check(content, f"messages[{j}].content")
+        elif isinstance(content, (list, tuple)):
+            for k, item in enumerate(content):
+                if isinstance(item, dict):
+                    check(item.get("text"), f"messages[{j}].content[{k}]")
 
 
 def build_tokenizer(directory: str, words: list[str], min_pixels: int = 32 * 32 * 4,
@@ -187,6 +237,7 @@ class Processor:
         self.ids = special_token_ids(tokenizer)        # image_token_id, im_start_id, im_end_id, eos, pad, ...
         self.image_token_id = self.ids["image_token_id"]
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.ids["pad_token_id"]
+        self.special_texts = special_token_texts(tokenizer)   # refused in message text: `check_message_text`
 
     @classmethod
     def from_pretrained(cls, directory: str) -> "Processor":
@@ -207,9 +258,12 @@ class Processor:
         return self.tokenizer.chat_template
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kw):
-        """One conversation (list of messages) → str; a list of conversations → list[str]. Not expanded."""
+        """One conversation (list of messages) → str; a list of conversations → list[str]. Not expanded.
+        Message text holding a special token's text → ValueError (`check_message_text`; docs/generation.md)."""
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
         convs = messages if batched else [messages]
+        for i, c in enumerate(convs):
+            check_message_text(c, self.special_texts, f"conversation {i}: " if len(convs) > 1 else "")
         out = [self.tokenizer.apply_chat_template(list(c), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **kw)
                for c in convs]
@@ -219,6 +273,8 @@ class Processor:
                  padding_side: str = "left") -> dict:
         """Either `text` (str or list, already templated, one `<|image_pad|>` per image) with `images` in
         order, or `messages` (one conversation or a list of them; images taken from their image items).
+        `text` is trusted: special-token text in it becomes those tokens. Message text may not hold any
+        (`check_message_text`: ValueError), so a user's text cannot forge chat-template markers.
 
         Returns NumPy `input_ids` [B, S] int64, `attention_mask` [B, S] int64, and when there are images
         `pixel_values` [N_patches, C·T·P·P] float32 and `image_grid_thw` [N_img, 3] int64.

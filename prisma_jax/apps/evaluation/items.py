@@ -10,7 +10,9 @@ One item a line, in the training data's message format (docs/training.md) withou
 `answer` is the reference; `"answerable": false` makes the expected answer the abstention text (`answer` may
 then be left out, and must equal that text when given). `answerable` defaults to true; `id` and `group` are
 optional; every other key is kept verbatim as the answer row's `meta`. Image paths resolve against the JSONL's
-folder, as in training. Problems → one ValueError naming file and line.
+folder, as in training. Problems → one ValueError naming file and line. Message text may not hold special-token
+text (processing.py `check_message_text`): `prisma eval` passes the checkpoint tokenizer's special and added
+tokens (`Processor.special_texts`; `SPECIAL_TOKENS`, the Qwen control tokens, by default).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import dataclasses
 import json
 import os
 
-from prisma_jax.host.processing import resolve_messages
+from prisma_jax.host.processing import SPECIAL_TOKENS, check_message_text, resolve_messages
 from prisma_jax.apps.evaluation.metrics import normalize
 
 KEYS = ("messages", "answer", "answerable", "id", "group")
@@ -35,8 +37,9 @@ class Item:
     meta: dict = dataclasses.field(default_factory=dict)   # the item's other keys
 
 
-def read_items(path: str, abstain_text: str) -> list[Item]:
-    """Every item of the JSONL file `path` (blank lines skipped), checked; see the module docstring."""
+def read_items(path: str, abstain_text: str, special_tokens=SPECIAL_TOKENS) -> list[Item]:
+    """Every item of the JSONL file `path` (blank lines skipped), checked; see the module docstring.
+    `special_tokens`: the token texts refused in message text (`Processor.special_texts` for a checkpoint's)."""
     if not os.path.isfile(path):
         raise ValueError(f"--data {path}: no such file")
     base = os.path.dirname(os.path.abspath(path))
@@ -44,13 +47,14 @@ def read_items(path: str, abstain_text: str) -> list[Item]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
-                items.append(parse_item(line, f"{path}:{lineno}", base, len(items), abstain_text))
+                items.append(parse_item(line, f"{path}:{lineno}", base, len(items), abstain_text, special_tokens))
     if not items:
         raise ValueError(f"--data {path}: no items")
     return items
 
 
-def parse_item(line: str, where: str, base: str, index: int, abstain_text: str) -> Item:
+def parse_item(line: str, where: str, base: str, index: int, abstain_text: str,
+               special_tokens=SPECIAL_TOKENS) -> Item:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
@@ -58,6 +62,7 @@ def parse_item(line: str, where: str, base: str, index: int, abstain_text: str) 
     if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or not rec["messages"]:
         raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
     resolve_messages(rec["messages"], where, base)
+    check_message_text(rec["messages"], special_tokens, f"{where}: ")
     if rec["messages"][-1]["role"] == "assistant":
         raise ValueError(f"{where}: the last message is the assistant's; an item holds the prompt only "
                          "(the reference answer goes in 'answer')")

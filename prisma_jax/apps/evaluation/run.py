@@ -38,7 +38,7 @@ def evaluate(model_dir: str, data_path: str, out_dir: str, batch: int = BATCH, m
     """Answer every item of `data_path` greedily with the checkpoint `model_dir` (its tokenizer and image
     processor included), score the answers and write `out_dir`; returns the metrics (metrics.json).
 
-    `mesh`: None (one device), a `sharding.MeshSpec`, a dict of axis sizes, a preset name or a `Mesh`, as
+    `mesh`: None (one device), a `parallel.mesh.MeshSpec`, a dict of axis sizes, a preset name or a `Mesh`, as
     `PrismaVL.from_pretrained` takes it. `abstain_text`: the expected answer of `"answerable": false` items."""
     for name, v in (("batch", batch), ("max-new-tokens", max_new_tokens)):
         if isinstance(v, bool) or int(v) != v or v < 1:
@@ -49,13 +49,12 @@ def evaluate(model_dir: str, data_path: str, out_dir: str, batch: int = BATCH, m
         from prisma_jax.apps.generate_cli import parse_mesh
         mesh = parse_mesh(mesh)
     out = check_out_dir(out_dir)
-    items = read_items(data_path, abstain_text)
-
     from prisma_jax.api import PrismaVL
     from prisma_jax.host.processing import Processor
 
     t0 = time.perf_counter()
-    processor = Processor.from_pretrained(model_dir)
+    processor = Processor.from_pretrained(model_dir)      # cheap: its special tokens check the items up front
+    items = read_items(data_path, abstain_text, processor.special_texts)
     model = PrismaVL.from_pretrained(model_dir, dtype=dtype, mesh=mesh, verify=verify)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
