@@ -47,16 +47,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model, proc, name: str = "tiny", image_root=None, **engine_kw):
+def start(model, proc, name: str = "tiny", image_root=None, app_kw=None, **engine_kw):
     """(server, engine): prisma_jax.infer.serve's app on a free 127.0.0.1 port, in a thread of this process."""
     from prisma_jax.infer.serve.local import LocalServer
 
-    server = LocalServer.start(model, proc, name, image_root, **engine_kw)
+    server = LocalServer.start(model, proc, name, image_root, app_kw, **engine_kw)
     return server, server.engine
 
 
-def to_processor_messages(messages: list[dict], images: dict[str, bytes]) -> list[dict]:
-    """OpenAI messages → the Processor's format (image_url parts → the PIL images they name)."""
+def served_image(png: bytes, proc):
+    """The image a server with `proc` feeds the model: resized to its bucket grid (docs/serve.md, "Limits")."""
+    from prisma_jax.infer.serve.app import served_image_grids
+    from prisma_jax.infer.serve.images import bucket_image
+
+    grids, patch, _ = served_image_grids(proc)
+    return bucket_image(Image.open(io.BytesIO(png)).convert("RGB"), grids, patch)
+
+
+def to_processor_messages(messages: list[dict], images: dict[str, bytes], proc=None) -> list[dict]:
+    """OpenAI messages → the Processor's format (image_url parts → the PIL images they name, bucketed as the
+    server does when `proc` is given)."""
     out = []
     for m in messages:
         content = m["content"]
@@ -68,7 +78,8 @@ def to_processor_messages(messages: list[dict], images: dict[str, bytes]) -> lis
                 parts.append(p)
             else:
                 png = images[p["image_url"]["url"]]
-                parts.append({"type": "image", "image": Image.open(io.BytesIO(png)).convert("RGB")})
+                parts.append({"type": "image", "image": served_image(png, proc) if proc is not None else
+                              Image.open(io.BytesIO(png)).convert("RGB")})
         out.append({"role": m["role"], "content": parts})
     return out
 
@@ -76,7 +87,7 @@ def to_processor_messages(messages: list[dict], images: dict[str, bytes]) -> lis
 def solo(model, proc, messages=None, prompt=None, images=None, max_tokens=16, **kw):
     """`PrismaVL.generate` on this one request: (tokens, codes, entropies, prompt length) of its row."""
     if messages is not None:
-        enc = proc(messages=[to_processor_messages(messages, images or {})])
+        enc = proc(messages=[to_processor_messages(messages, images or {}, proc)])
     else:
         ids = proc.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         enc = {"input_ids": np.asarray([ids]), "attention_mask": np.ones((1, len(ids)), np.int64)}

@@ -16,7 +16,7 @@ class LocalServer:
     def __init__(self, app, engine=None, drain_timeout: float = 30.0):
         import uvicorn
 
-        self.engine = engine
+        self.app, self.engine = app, engine
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -30,14 +30,15 @@ class LocalServer:
             time.sleep(0.02)
 
     @classmethod
-    def start(cls, model, processor, name: str = "model", image_root: str | None = None, **engine_kw):
+    def start(cls, model, processor, name: str = "model", image_root: str | None = None, app_kw: dict | None = None,
+              **engine_kw):
         """An Engine over `model` (a PrismaVL; `engine_kw`: slots, max_len, steps, max_queue, ...) behind the
-        app, serving `name`."""
+        app, serving `name` (`app_kw`: create_app's limits, api_key, loopback_only, warmup)."""
         from prisma_jax.infer.serve.app import create_app
         from prisma_jax.infer.serve.engine import Engine
 
         engine = Engine(model, **engine_kw).start()
-        return cls(create_app(engine, processor, name, image_root), engine)
+        return cls(create_app(engine, processor, name, image_root, **(app_kw or {})), engine)
 
     def close(self) -> None:
         self.server.should_exit = True

@@ -5,7 +5,8 @@ generation parameters, or raise `APIError` — an HTTP status and an OpenAI-styl
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
-Supported beyond OpenAI's fields: `top_k` (0 = off), `uncertainty_power` (sampling.py: temperature ×
+Every integer field has a range (seeds: [0, 2^63); token ids, top_k, max_tokens: < 2^31), and the body nests at
+most MAX_JSON_DEPTH levels. Supported beyond OpenAI's fields: `top_k` (0 = off), `uncertainty_power` (sampling.py: temperature ×
 (1 − previous code/(L−1))**power) and `stop_token_ids` (end tokens besides the checkpoint's). Unknown fields are ignored; known ones with values this server cannot honour
 (`n` ≠ 1, `echo`, tools) are refused.
 
@@ -26,8 +27,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self, request_id: str | None = None) -> dict:
+        """OpenAI's error object, with the request's id (the `X-Request-Id` header) when given."""
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": err | ({"request_id": request_id} if request_id else {})}
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -51,11 +54,25 @@ class Params:
     stop_token_ids: list[int]
 
 
+MAX_JSON_DEPTH = 32          # arrays / objects nested in the body, the body itself included
+INT64 = (-(1 << 63), (1 << 63) - 1)
+INT32_MAX = (1 << 31) - 1
+
+
 def load_json(raw: bytes) -> dict:
+    """The request body as a JSON object nested at most MAX_JSON_DEPTH deep (400 otherwise)."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise bad(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON ({e})") from None
+    level = [body] if isinstance(body, (dict, list)) else []
+    for _ in range(MAX_JSON_DEPTH):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(v, (dict, list))]
+    if level:
+        raise bad(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
@@ -100,17 +117,19 @@ def _common(body: dict, default_max_tokens: int | None, token_limit: str) -> Par
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
-    seed = field(body, "seed", int)
+    seed = field(body, "seed", int, lo=0, hi=INT64[1])
     stop_ids = field(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise bad("'stop_token_ids' must be an array of token ids", "stop_token_ids")
-    return Params(model=model, max_tokens=field(body, token_limit, int, default_max_tokens, lo=1),
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in stop_ids) \
+            or len(stop_ids) > 8:
+        raise bad("'stop_token_ids' must be an array of at most 8 token ids", "stop_token_ids")
+    return Params(model=model, max_tokens=field(body, token_limit, int, default_max_tokens, lo=1, hi=INT32_MAX),
                   temperature=field(body, "temperature", float, 1.0, lo=0.0, hi=2.0),
                   top_p=field(body, "top_p", float, 1.0, lo=0.0, hi=1.0, lo_open=True),
-                  top_k=field(body, "top_k", int, 0, lo=0),
+                  top_k=field(body, "top_k", int, 0, lo=0, hi=INT32_MAX),
                   seed=secrets.randbits(31) if seed is None else seed, stop=stop, stream=stream,
                   include_usage=include_usage, logprobs=False, top_logprobs=0,
-                  uncertainty_power=field(body, "uncertainty_power", float, 0.0, lo=0.0), stop_token_ids=stop_ids)
+                  uncertainty_power=field(body, "uncertainty_power", float, 0.0, lo=0.0, hi=1e6),
+                  stop_token_ids=stop_ids)
 
 
 def parse_chat(body: dict) -> tuple[list[dict], Params]:
@@ -171,5 +190,7 @@ def parse_completion(body: dict) -> tuple[str | list[int], Params]:
     if isinstance(prompt, str) and prompt:
         return prompt, p
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t <= INT32_MAX for t in prompt):
+            raise bad("'prompt' token ids must be in [0, 2^31)", "prompt")
         return prompt, p
     raise bad("'prompt' must be a non-empty string or an array of token ids (one prompt)", "prompt")
