@@ -23,12 +23,17 @@ outputs uniform in `--output` (numpy seed 0).
   to first token from a streamer's first token.
 
 Reported: generated tokens/s (the requested output tokens ÷ first arrival to last completion), p50/p99 time to
-first token and end-to-end latency. Prints a Markdown table and one JSON line.
+first token and end-to-end latency, and (serve) the largest gap between two chunks of one stream. With
+`--image-load N`, N chat requests with a large image each (`--image-size`, a PNG data URL) are sent, two at a
+time, while the trace runs, and `/health` is polled every 20 ms: its p50 / p99 / max latency says whether image
+decoding and processing ever hold up the event loop (they run in worker threads: docs/serve.md). Prints a
+Markdown table and one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -73,16 +78,19 @@ async def _client(url: str, reqs, model: str):
         at, ids, m = reqs[i]
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         sent = time.perf_counter() - t0
-        first, n = None, 0
+        first, n, last, gap = None, 0, None, 0.0
         body = {"model": model, "prompt": ids, "max_tokens": m, "temperature": 0, "stream": True}
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
+                    now = time.perf_counter() - t0
                     n += len(json.loads(line[6:])["choices"][0]["uncertainty"]["codes"])
-                    first = first if first is not None else time.perf_counter() - t0
+                    first = first if first is not None else now
+                    gap = gap if last is None else max(gap, now - last)
+                    last = now
         assert n == m, (n, m)
-        out[i] = (sent, first - sent, time.perf_counter() - t0)
+        out[i] = (sent, first - sent, time.perf_counter() - t0, gap)
 
     limits = httpx.Limits(max_connections=len(reqs) + 4)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
@@ -90,10 +98,57 @@ async def _client(url: str, reqs, model: str):
     return out
 
 
-def run_serve(model, proc, reqs, slots: int, steps: int, max_len: int) -> dict:
+async def _image_load(url: str, model: str, n: int, size: tuple[int, int], stop: asyncio.Event):
+    """n chat requests with one large PNG each, two at a time; returns their status codes."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (size[0], size[1], 3), np.uint8)).save(buf, "PNG")
+    image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "t1 t2"}]}]}
+    codes = []
+    async with httpx.AsyncClient(timeout=3600) as client:
+        async def worker(k):
+            for _ in range(k):
+                codes.append((await client.post(url + "/v1/chat/completions", json=body)).status_code)
+        await asyncio.gather(worker(n - n // 2), worker(n // 2))
+    stop.set()
+    return codes
+
+
+async def _health(url: str, stop: asyncio.Event) -> list[float]:
+    import httpx
+
+    lat = []
+    async with httpx.AsyncClient(timeout=3600) as client:
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert (await client.get(url + "/health")).status_code == 200
+            lat.append(time.perf_counter() - t)
+            await asyncio.sleep(0.02)
+    return lat
+
+
+async def _loaded(url: str, reqs, model: str, n_images: int, size):
+    """The trace, with `n_images` large-image requests beside it and /health polled throughout."""
+    stop = asyncio.Event()
+    trace_out, codes, lat = await asyncio.gather(_client(url, reqs, model), _image_load(url, model, n_images, size, stop),
+                                                 _health(url, stop))
+    return trace_out, codes, lat
+
+
+def run_serve(model, proc, reqs, slots: int, steps: int, max_len: int, n_images: int = 0,
+              image_size=(2000, 1500)) -> dict:
+    from prisma_jax.infer.serve.app import ServeLimits
     from prisma_jax.infer.serve.local import LocalServer
 
-    server = LocalServer.start(model, proc, "bench", slots=slots, max_len=max_len, steps=steps, max_queue=len(reqs))
+    server = LocalServer.start(model, proc, "bench", None, {"limits": ServeLimits(max_image_pixels=1 << 26)},
+                               slots=slots, max_len=max_len, steps=steps, max_queue=len(reqs) + 4)
     engine = server.engine
     try:
         t = time.perf_counter()
@@ -104,13 +159,24 @@ def run_serve(model, proc, reqs, slots: int, steps: int, max_len: int) -> dict:
             warm.append((0.0, ids, 2))
         asyncio.run(_client(server.url, warm, "bench"))
         warm_s = time.perf_counter() - t
+        extra = {}
+        if n_images:                   # the image programs compiled before the clock starts
+            asyncio.run(_image_load(server.url, "bench", 1, image_size, asyncio.Event()))
         before = engine.load()
-        res = asyncio.run(_client(server.url, reqs, "bench"))
+        if n_images:
+            res, codes, lat = asyncio.run(_loaded(server.url, reqs, "bench", n_images, image_size))
+            pct = lambda q: float(np.percentile(lat, q))                # noqa: E731
+            extra = {"image_requests": len(codes), "image_ok": codes.count(200), "image_status": sorted(set(codes)),
+                     "health_polls": len(lat),
+                     "health_p50_s": pct(50), "health_p99_s": pct(99), "health_max_s": float(max(lat))}
+        else:
+            res = asyncio.run(_client(server.url, reqs, "bench"))
         after = engine.load()
     finally:
         server.close()
     s = summary([r[0] for r in res], [r[1] for r in res], [r[2] for r in res], sum(r[2] for r in reqs))
-    return s | {"warmup_s": warm_s, "rounds": after["rounds"] - before["rounds"], "max_busy": after["max_busy"]}
+    return s | {"warmup_s": warm_s, "rounds": after["rounds"] - before["rounds"], "max_busy": after["max_busy"],
+                "max_chunk_gap_s": max(r[3] for r in res)} | extra
 
 
 # ---------------------------------------------------------------------------------------------- static batches
@@ -214,6 +280,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a small config, to check the script runs")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--image-load", type=int, default=0, metavar="N",
+                    help="N large-image chat requests during the serve run(s); /health polled throughout")
+    ap.add_argument("--image-size", type=int, nargs=2, default=[2000, 1500], metavar=("H", "W"))
+    ap.add_argument("--no-static", action="store_true", help="serve runs only")
     args = ap.parse_args(argv)
 
     import jax
@@ -227,10 +297,13 @@ def main(argv=None) -> int:
 
     hf_cfg = text_config(args.quick)
     cfg = config_from_hf(hf_cfg.to_dict())
-    model = PrismaVL.from_config(cfg, seed=0, dtype="float32", uncertainty_init="normal")
     with tempfile.TemporaryDirectory() as d:       # a word-level tokenizer over the whole vocabulary (decoding)
-        build_tokenizer(d, [f"t{i}" for i in range(cfg.text.vocab_size - 13)])
+        ids = build_tokenizer(d, [f"t{i}" for i in range(cfg.text.vocab_size - 13)])
         proc = Processor.from_pretrained(d)
+    if args.image_load:                            # the tokenizer's vision ids (the trace's prompts never hold them)
+        cfg = dataclasses.replace(cfg, **{k: ids[k] for k in ("image_token_id", "video_token_id",
+                                                              "vision_start_token_id", "vision_end_token_id")})
+    model = PrismaVL.from_config(cfg, seed=0, dtype="float32", uncertainty_init="normal")
     reqs = trace(args.requests, tuple(args.prompt), tuple(args.output), args.rate, cfg.text.vocab_size)
     n_tok = sum(r[2] for r in reqs)
     info = {"device": str(jax.devices()[0].device_kind), "cores": os.cpu_count(), "args": vars(args),
@@ -240,10 +313,20 @@ def main(argv=None) -> int:
           f"{info['loadavg_start']:.1f}", flush=True)
 
     for k in args.steps:
-        row = run_serve(model, proc, reqs, args.slots, k, args.max_len)
+        row = run_serve(model, proc, reqs, args.slots, k, args.max_len, args.image_load, tuple(args.image_size))
         info["rows"][f"serve K={k}"] = row
         print(f"serve K={k}", json.dumps(row), flush=True)
 
+    if args.no_static:
+        print("\n| system | generated tok/s | TTFT p50 / p99 s | largest chunk gap s | /health p50 / p99 / max ms |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, r in info["rows"].items():
+            health = (f"{1e3 * r['health_p50_s']:.1f} / {1e3 * r['health_p99_s']:.1f} / {1e3 * r['health_max_s']:.1f}"
+                      f" ({r['image_ok']} of {r['image_requests']} image requests)" if "health_p99_s" in r else "–")
+            print(f"| {name} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
+                  f"{r['max_chunk_gap_s']:.2f} | {health} |")
+        print(json.dumps(info))
+        return 0
     run, compile_only = prisma_batch(model)
     for b in _batches(reqs, args.batch):
         compile_only(b)

@@ -305,3 +305,21 @@ def test_incremental_detokenization_equals_decoding_the_whole_text(ckpt, stop):
     if cut >= 0:                               # the arrays end at the token that completed the stop string
         k = len(out.ids)
         assert any(x in decode(ids[:k]) for x in stop) and not any(x in decode(ids[:k - 1]) for x in stop)
+
+
+def test_max_len_defaults_to_the_model(ckpt, capsys):
+    """--max-len (and Engine's max_len) default to min(4096, max_position_embeddings): a model of 2,048
+    positions serves without a flag."""
+    import dataclasses
+
+    from prisma_jax.infer.serve.engine import Engine, default_max_len
+
+    _, model, _ = ckpt
+    assert Engine(model).max_len == min(4096, model.config.text.max_position_embeddings)
+    short = dataclasses.replace(model.config, text=dataclasses.replace(model.config.text,
+                                                                       max_position_embeddings=2048))
+    long = dataclasses.replace(model.config, text=dataclasses.replace(model.config.text,
+                                                                      max_position_embeddings=32768))
+    assert default_max_len(short) == 2048 and default_max_len(long) == 4096
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        Engine(model, max_len=model.config.text.max_position_embeddings + 1)
