@@ -410,7 +410,7 @@ class _Gate:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.loopback_only:
             host = headers.get("host", "")
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            name = (host.rsplit(":", 1)[0] if not host.endswith("]") else host).lower().rstrip(".")
             if not is_loopback(name):
                 return APIError(403, f"Host {host!r} refused: this server is bound to loopback and answers only "
                                      "loopback names", None, "invalid_host")

@@ -60,9 +60,14 @@ INT32_MAX = (1 << 31) - 1
 
 
 def load_json(raw: bytes) -> dict:
-    """The request body as a JSON object nested at most MAX_JSON_DEPTH deep (400 otherwise)."""
+    """The request body as a JSON object nested at most MAX_JSON_DEPTH deep, without NaN / Infinity (Python's
+    parser takes them; JSON has none) and without lone UTF-16 surrogates (valid JSON escapes, invalid text);
+    400 otherwise."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid text") from None
     except RecursionError:
         raise bad(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -76,6 +81,10 @@ def load_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 _TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
