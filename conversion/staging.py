@@ -8,6 +8,11 @@ filesystem have it, else DST → a backup sibling, new → DST, backup removed �
 SIGTERM/SIGHUP during that step are deferred until it completes, and a process killed outright (SIGKILL,
 power loss) between the two renames of the fallback leaves the backup, which the next conversion to DST
 puts back (`recover`), so DST is at every moment the old checkpoint or the new one, complete.
+Whether DST may be replaced is decided at the swap, not only at the start: a DST absent at the start is
+renamed onto with `renameat2(RENAME_NOREPLACE)` (else an existence check and a rename), so one that appeared
+meanwhile is replaced only with --overwrite. A temporary directory is named `.DST.tmp-HOST-PID-XXXXXXXX`;
+the next conversion to DST removes those of this host whose process is gone (`remove_stale`), which is all a
+SIGKILL can leave behind. Signal handlers are put back on every path out.
 Also: copying the side files (config, tokenizer, processor, chat template) and the pieces both directions
 share (byte sizes, the dry-run report).
 """
@@ -17,11 +22,14 @@ import ctypes
 import errno
 import fnmatch
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import zlib
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
                    "*.ckpt", "*.msgpack", "*.h5", "*.npz")
@@ -33,54 +41,112 @@ class Staging:
     def __init__(self, dst: str, overwrite: bool = False, src: str | None = None):
         check_destination(dst, overwrite, src)
         self.dst = os.path.abspath(dst)
+        self.overwrite = overwrite
         self.tmp = None
         self.handlers = {}
         self.deferred = None
 
     def __enter__(self) -> str:
         parent, base = os.path.split(self.dst)
-        os.makedirs(parent, exist_ok=True)
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                self.handlers[sig] = signal.signal(sig, _exit_on_signal)
-        self.tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
-        umask = os.umask(0o22)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)   # DST gets a directory's usual mode, not mkdtemp's 0700
+        try:
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGHUP):
+                    self.handlers[sig] = signal.signal(sig, _exit_on_signal)
+            os.makedirs(parent, exist_ok=True)
+            remove_stale(self.dst)
+            self.tmp = tempfile.mkdtemp(prefix=_tmp_prefix(base), dir=parent)
+            umask = os.umask(0o22)
+            os.umask(umask)
+            os.chmod(self.tmp, 0o777 & ~umask)   # DST gets a directory's usual mode, not mkdtemp's 0700
+        except BaseException:
+            self._restore_handlers()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         return self.tmp
 
     def _defer(self, signum, frame):
         self.deferred = signum
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self._restore_handlers()
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        if self.handlers:   # from here on SIGTERM/SIGHUP/SIGINT wait until DST is the old or the new one
-            self.handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
-            for sig in self.handlers:
-                signal.signal(sig, self._defer)
         try:
-            _at("fsync")
-            fsync_tree(self.tmp)
-            _at("swap")
-            if self.deferred is not None:   # signalled before the swap began: keep the old DST
-                _raise_for(self.deferred)
-            _swap(self.tmp, self.dst)
-        except BaseException:
+            if exc_type is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return False
+            try:
+                if self.handlers:   # from here on SIGTERM/SIGHUP/SIGINT wait until DST is the old or the new one
+                    self.handlers.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
+                    for sig in self.handlers:
+                        signal.signal(sig, self._defer)
+                _at("fsync")
+                fsync_tree(self.tmp)
+                _at("swap")
+                if self.deferred is not None:   # signalled before the swap began: keep the old DST
+                    _raise_for(self.deferred)
+                _swap(self.tmp, self.dst, self.overwrite)
+            except BaseException:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise
+        finally:
             self._restore_handlers()
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        self._restore_handlers()
         if self.deferred is not None:   # the new DST is in place; now act on the signal
             _raise_for(self.deferred)
         return False
 
     def _restore_handlers(self):
-        for sig, old in self.handlers.items():
-            signal.signal(sig, old)
-        self.handlers = {}
+        handlers, self.handlers = self.handlers, {}
+        for sig, old in handlers.items():
+            if old is not None:   # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, old)
+
+
+def _host() -> str:
+    """This host's name as it goes into a file name: other characters as `_`, a long one shortened with a
+    hash of the whole (so two hosts never share a tag)."""
+    name = socket.gethostname()
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "host"
+    if len(tag) > 64 or tag != name:
+        tag = f"{tag[:48]}~{zlib.crc32(name.encode()):08x}"
+    return tag
+
+
+def _tmp_prefix(base: str) -> str:
+    """`.DST.tmp-HOST-PID-`: mkdtemp appends 8 random characters. The host and process id say whose it is, so
+    a later run can tell debris (its process gone) from a conversion still running."""
+    return f".{base}.tmp-{_host()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):   # someone else's live process, or not a pid at all
+        return True
+    return True
+
+
+def remove_stale(dst: str) -> list[str]:
+    """Remove the temporary siblings of DST that a killed conversion left (SIGKILL, power loss, or a kill while
+    the replaced checkpoint was being removed): only directories named exactly as this module names them, made
+    on this host, whose process no longer exists. Those of another host (a shared filesystem) or of a live
+    process are left alone. Returns the names removed."""
+    parent, base = os.path.split(os.path.abspath(dst))
+    pattern = re.compile(re.escape(f".{base}.tmp-{_host()}-") + r"(\d{1,10})-[a-z0-9_]{8}")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def _at(point: str) -> None:
@@ -119,25 +185,53 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM)
+
+
+def _renameat2(a: str, b: str, flags: int) -> int | None:
+    """Linux renameat2(a, b, flags): 0, or the errno; None where the platform, libc, kernel or filesystem
+    does not have it (the caller falls back)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return 0
+    err = ctypes.get_errno()
+    return None if err in _UNSUPPORTED else err
 
 
 def _exchange(a: str, b: str) -> bool:
     """Atomically exchange the paths a and b (Linux renameat2); False where the kernel, libc or filesystem
     cannot, so the caller falls back to two renames."""
-    if not sys.platform.startswith("linux"):
+    err = _renameat2(a, b, _RENAME_EXCHANGE)
+    if err is None:
         return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if err:
+        raise OSError(err, os.strerror(err), b)
+    return True
+
+
+def _rename_noreplace(a: str, b: str) -> bool:
+    """Rename a to b unless b exists: True when renamed, False when b exists (and nothing was done). Atomic
+    with renameat2(RENAME_NOREPLACE); where that is missing, an existence check then os.rename (a b created
+    between the two would be replaced only if it is an empty directory; os.rename refuses any other)."""
+    err = _renameat2(a, b, _RENAME_NOREPLACE)
+    if err is None:
+        if os.path.lexists(b):
+            return False
+        os.rename(a, b)
         return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+    if err == errno.EEXIST:
         return False
-    raise OSError(err, os.strerror(err), b)
+    if err:
+        raise OSError(err, os.strerror(err), b)
+    return True
 
 
 def _backup_name(dst: str) -> str:
@@ -145,15 +239,20 @@ def _backup_name(dst: str) -> str:
     return os.path.join(parent, f".{base}.old")
 
 
-def _swap(new: str, dst: str) -> None:
-    """Put the directory `new` at `dst`, replacing what is there; DST is never absent except, in the fallback,
-    between two renames, where `recover` finds the backup."""
+def _swap(new: str, dst: str, overwrite: bool = True) -> None:
+    """Put the directory `new` at `dst`. An absent DST is never replaced by anything but `new`: a DST that
+    appeared while the conversion ran is an error without `overwrite` (it is left as it is) and is replaced
+    with it. DST is never absent except, in the two-rename fallback, between its renames, where `recover`
+    finds the backup."""
     parent = os.path.dirname(dst)
     if not os.path.lexists(dst):
         _at("rename")
-        os.rename(new, dst)
-        fsync_dir(parent)
-        return
+        if _rename_noreplace(new, dst):
+            fsync_dir(parent)
+            return
+    if not overwrite:
+        raise ValueError(f"{dst} appeared while converting and is left as it is; pass --overwrite "
+                         "(overwrite=True) to replace it")
     if _exchange(new, dst):   # `new` now holds the old DST
         fsync_dir(parent)
         _at("remove")

@@ -310,7 +310,7 @@ def test_everything_written_is_fsynced_before_the_rename(good, other, tmp_path, 
     from conversion import staging
 
     events = []
-    real_fsync, real_rename, real_exchange = os.fsync, os.rename, staging._exchange
+    real_fsync, real_rename, real_exchange, real_renameat2 = os.fsync, os.rename, staging._exchange, staging._renameat2
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -320,14 +320,18 @@ def test_everything_written_is_fsynced_before_the_rename(good, other, tmp_path, 
         events.append(("rename", os.fspath(a), os.fspath(b)))
         real_rename(a, b)
 
-    def exchange(a, b):
-        ok = swap == "exchange" and real_exchange(a, b)
-        if ok:
+    def renameat2(a, b, flags):   # RENAME_NOREPLACE (a fresh DST) or RENAME_EXCHANGE
+        err = real_renameat2(a, b, flags)
+        if err == 0:
             events.append(("rename", a, b))
-        return ok
+        return err
+
+    def exchange(a, b):
+        return swap == "exchange" and real_exchange(a, b)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(staging, "_renameat2", renameat2)
     monkeypatch.setattr(staging, "_exchange", exchange)
     dst = tmp_path / "out"
     if swap != "fresh":
@@ -404,3 +408,211 @@ def test_a_signal_at_any_point_of_overwrite_leaves_the_old_or_the_new(good, othe
         check_destination(str(dst), overwrite=True)
         assert _which(dst, old, good / "orbax") == expect
         assert not [n for n in os.listdir(tmp_path) if n.endswith(".old")]
+
+
+# ------------------------------------- SIGKILL at seeded points of `hf-to-orbax --overwrite`, then a clean run
+
+_INSTRUMENT = r"""
+import os, shutil
+from conversion import staging
+from prisma_jax.checkpoint import orbax as L
+
+def install(tick, exchange):
+    '''Call tick(label) before each step a kill could fall before: each block written (its chunk crc), the
+    tree metadata and the metadata file, every fsync, rename, renameat2 and rmtree, and each named point of
+    the swap. Returns what to put back.'''
+    undo = []
+    def wrap(obj, name, label):
+        real = getattr(obj, name)
+        def f(*a, **k):
+            tick(label(*a) if callable(label) else label)
+            return real(*a, **k)
+        undo.append((obj, name, real))
+        setattr(obj, name, f)
+    for name in ("chunk_crc", "write_tree_metadata", "write_meta"):
+        wrap(L, name, "write")
+    wrap(staging, "_at", lambda p: "at:" + p)
+    wrap(os, "fsync", "fsync")
+    wrap(staging, "_renameat2", "renameat2")
+    wrap(os, "rename", "rename")
+    wrap(shutil, "rmtree", "rmtree")
+    if not exchange:
+        undo.append((staging, "_exchange", staging._exchange))
+        staging._exchange = lambda a, b: False
+    return undo
+"""
+
+_KILL_SERVER = _INSTRUMENT + r"""
+import json, signal, sys
+from prisma_jax.apps.cli import main
+import conversion.hf_to_orbax   # imported once; each conversion runs in a fork, killed at its k-th step
+for line in sys.stdin:
+    k, exchange, src, dst = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            n = [0]
+            def tick(label):
+                n[0] += 1
+                if n[0] == k:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            install(tick, exchange)
+            sys.stdout = open(os.devnull, "w")
+            os._exit(main(["convert", "hf-to-orbax", src, dst, "--overwrite"]))
+        except BaseException:
+            os._exit(70)
+    _, status = os.waitpid(pid, 0)   # reaped: its pid is gone, as a killed job's is
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def _events(src, dst, exchange):
+    """The labels of the instrumented steps of one conversion, run here (the killed runs repeat them)."""
+    ns: dict = {}
+    exec(_INSTRUMENT, ns)
+    events: list = []
+    undo = ns["install"](events.append, exchange)
+    try:
+        assert cli(["convert", "hf-to-orbax", str(src), str(dst), "--overwrite"]) == 0
+    finally:
+        for obj, name, real in reversed(undo):
+            setattr(obj, name, real)
+    return events
+
+
+def _kill_points(events, rng):
+    """Seeded kill points (1-based event numbers) in every phase: 2 while writing, 1 while fsyncing, 3 in
+    the swap (few steps, each of which matters)."""
+    fsync, swap = events.index("at:fsync"), events.index("at:swap")
+    phases = [(range(0, fsync), 2), (range(fsync, swap), 1), (range(swap, len(events)), 3)]
+    return sorted(i + 1 for r, n in phases for i in rng.sample(r, min(n, len(r))))
+
+
+def test_sigkill_at_seeded_points_of_overwrite_leaves_old_or_new_and_the_next_run_cleans_up(good, other, tmp_path):
+    """12 SIGKILLs at seeded points of `hf-to-orbax --overwrite` (exchange and two-rename swaps; each run in
+    its own directory, forked from one process that imported everything once, so a kill costs a conversion,
+    not an interpreter start): after each, DST (once `recover` has put back a fallback's backup, as
+    the next run does first) is the old checkpoint or the new one and restores with its crc32s checked; the
+    next, completed run leaves no debris."""
+    import random
+
+    from conversion import restore_params
+    from conversion.staging import recover
+
+    rng = random.Random(20240611)
+    runs = []   # (exchange, k, event label, dst)
+    for exchange in (True, False):
+        probe = tmp_path / f"probe{int(exchange)}" / "out"
+        shutil.copytree(other, probe)
+        events = _events(good / "single", probe, exchange)
+        assert os.listdir(probe.parent) == ["out"]
+        for k in _kill_points(events, rng):
+            dst = tmp_path / f"kill{len(runs)}" / "out"
+            shutil.copytree(other, dst)
+            runs.append((exchange, k, events[k - 1], dst))
+    old = _snapshot(runs[0][3])
+    server = subprocess.Popen([sys.executable, "-c", _KILL_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    states, debris = [], 0
+    try:
+        for exchange, k, label, dst in runs:
+            where = f"killed before step {k} ({label}, exchange={exchange})"
+            server.stdin.write(json.dumps([k, exchange, str(good / "single"), str(dst)]) + "\n")
+            server.stdin.flush()
+            rc = server.stdout.readline().strip()
+            assert rc == "-9", (where, rc, server.stderr.read()[-2000:] if not rc else "")
+            if not os.path.lexists(dst):   # between the fallback's two renames: the backup holds the old one
+                assert not exchange and os.path.isdir(dst.parent / ".out.old"), where
+                recover(str(dst))
+            state = _which(dst, old, good / "orbax")
+            assert state in ("old", "new"), (where, state)
+            restore_params(str(dst))   # loadable, every chunk's crc32 checked
+            states.append(state)
+            debris += any(".tmp-" in n for n in os.listdir(dst.parent))
+            assert cli(["convert", "hf-to-orbax", str(good / "single"), str(dst), "--overwrite"]) == 0
+            assert _which(dst, None, good / "orbax") == "new"
+            assert os.listdir(dst.parent) == ["out"], where   # no .out.tmp-* or .out.old left
+    finally:
+        server.stdin.close()
+        server.wait(60)
+    assert len(states) == 12 and {"old", "new"} <= set(states) and debris, (states, debris)
+
+
+# ---------------------------------------------------------------------------------------- staging details
+
+def test_a_destination_that_appears_meanwhile_is_replaced_only_with_overwrite(tmp_path, monkeypatch):
+    from conversion import staging
+    from conversion.staging import Staging
+
+    for fallback in (False, True):
+        if fallback:   # no renameat2: an existence check, then os.rename
+            monkeypatch.setattr(staging, "_renameat2", lambda a, b, flags: None)
+        dst = tmp_path / f"out{int(fallback)}"
+        with pytest.raises(ValueError, match="appeared while converting and is left as it is"):
+            with Staging(str(dst), overwrite=False) as tmp:
+                open(os.path.join(tmp, "new.txt"), "w").write("new")
+                dst.mkdir()
+                (dst / "theirs.txt").write_text("theirs")
+        assert os.listdir(dst) == ["theirs.txt"] and (dst / "theirs.txt").read_text() == "theirs"
+        shutil.rmtree(dst)
+        with Staging(str(dst), overwrite=True) as tmp:   # with --overwrite it is replaced
+            open(os.path.join(tmp, "new.txt"), "w").write("new")
+            dst.mkdir()
+            (dst / "theirs.txt").write_text("theirs")
+        assert os.listdir(dst) == ["new.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["out0", "out1"]
+
+
+def test_stale_temporaries_of_dead_processes_of_this_host_are_removed(good, tmp_path):
+    from conversion.staging import _host
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = _host()
+    names = {f".out.tmp-{host}-{dead.pid}-abcd_123": False,       # ours, its process gone: removed
+             f".out.tmp-{host}-{os.getpid()}-abcdefgh": True,      # a live process (this one)
+             f".out.tmp-{host}-{os.getppid()}-abcdefgh": True,     # a live process
+             f".out.tmp-other-host-{dead.pid}-abcdefgh": True,     # another host (a shared filesystem)
+             f".out.tmp-{host}-{dead.pid}-abc": True,              # not our naming
+             f".out.tmp-{host}-{dead.pid}-abcdefgh.keep": True,
+             f".other.tmp-{host}-{dead.pid}-abcdefgh": True}       # another destination's
+    for n in names:
+        (tmp_path / n).mkdir()
+        (tmp_path / n / "x").write_text("x")
+    (tmp_path / f".out.tmp-{host}-{dead.pid}-filefile").write_text("a file, not a directory: kept")
+    assert cli(["convert", "hf-to-orbax", str(good / "single"), str(tmp_path / "out")]) == 0
+    left = set(os.listdir(tmp_path))
+    assert left == {n for n, kept in names.items() if kept} | {"out", f".out.tmp-{host}-{dead.pid}-filefile"}
+
+
+def test_signal_handlers_are_restored_on_every_path(tmp_path, monkeypatch):
+    import tempfile
+
+    from conversion.staging import Staging
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+
+    def now():
+        return {s: signal.getsignal(s) for s in before}
+
+    def no_tmp(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkdtemp", no_tmp)
+        with pytest.raises(OSError, match="No space left"):
+            with Staging(str(tmp_path / "a")):
+                pass
+    assert now() == before and os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError):
+        with Staging(str(tmp_path / "b")):
+            raise RuntimeError
+    assert now() == before and os.listdir(tmp_path) == []
+    with Staging(str(tmp_path / "c")):
+        pass
+    assert now() == before and os.listdir(tmp_path) == ["c"]
+    with pytest.raises(ValueError, match="appeared while converting"):
+        with Staging(str(tmp_path / "d")):
+            (tmp_path / "d").mkdir()
+    assert now() == before and sorted(os.listdir(tmp_path)) == ["c", "d"]

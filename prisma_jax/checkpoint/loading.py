@@ -15,7 +15,7 @@ from prisma_jax.core.config import ModelConfig, load_hf_config
 from prisma_jax.nn.params import TABLE_PATH, param_shapes
 from prisma_jax.checkpoint.hf_names import UNCERTAINTY_KEY, hf_names
 from prisma_jax.core.trees import get_path, set_path, flatten
-from prisma_jax.checkpoint.safetensors import Checkpoint, CheckpointError
+from prisma_jax.checkpoint.safetensors import Checkpoint, CheckpointError, shown
 from prisma_jax.nn.uncertainty import check_table_init, fresh_table
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -56,7 +56,7 @@ def check_keys(cfg: ModelConfig, ck: Checkpoint, directory: str) -> list:
     if missing:
         problems.append(f"missing tensors: {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected[:20])}"
+        problems.append(f"unexpected tensors: {', '.join(map(shown, unexpected[:20]))}"
                         + (" ..." if len(unexpected) > 20 else ""))
     for n in names:
         if n.hf in present and tuple(ck.shape(n.hf)) != tuple(n.hf_shape):
