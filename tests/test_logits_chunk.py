@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from prisma_jax.core.config import ConfigError
+from train.flops import step_flops
 from prisma_jax.nn.params import init_params_numpy
 from test_train_step import TINY, make_cfg, samples
 from train import step as S
@@ -204,5 +205,5 @@ def test_plan_prints_the_option():
                         (2048, "logits chunk off (whole sequence)")]:
         cfg = plan.train_config(tiny, 1, 1024, [f"train.logits_chunk={chunk}"], images=0)
         r = {"mesh": "data=1 fsdp=1 tensor=1", "batch": 1, "seq": 1024, "memory": plan.Memory(1, 0, 0, 0, 0),
-             "flops": plan.train_flops(cfg.model, 1, 1024), "fits": True, "seconds": 0.0}
+             "flops": step_flops(cfg), "fits": True, "seconds": 0.0}
         assert want in plan.format_train(r, p, cfg)

@@ -13,7 +13,8 @@ from prisma_jax.apps.cli import main
 from prisma_jax.core.config import load_config
 from prisma_jax.core.trees import flatten
 from prisma_jax.nn.params import param_shapes
-from prisma_jax.apps.plan import all_gathers, forbidden_gathers, matmul_params, train_flops
+from prisma_jax.apps.plan import all_gathers, forbidden_gathers, train_config
+from train.flops import step_flops, text_matmul_params
 from prisma_jax.core.partitioning import CACHE_AXES, LOGICAL_RULES, MESH_AXES, batch_shards, spec_for, take_rows
 from prisma_jax.parallel.mesh import PRESETS, MeshSpec
 from prisma_jax.parallel.placement import param_axes, param_specs
@@ -139,13 +140,15 @@ def test_flops_count_the_text_matmuls():
     shapes = dict(flatten(param_shapes(CFG8)))
     n = sum(math.prod(s) for p, s in shapes.items()
             if (p[:2] == ("text", "layers") and p[-1] == "kernel") or p[0] == "lm_head")
-    assert matmul_params(CFG8) == n
-    f = train_flops(CFG8, batch=2, seq=8, passes=2)
-    assert f["6N_tokens"] == 6 * n * 16
+    assert text_matmul_params(CFG8) == n
+    tcfg = train_config(os.path.join(ROOT, "configs", "prisma_vl_8b.yaml"), 2, 8, ["train.introspection_passes=2"],
+                        images=0)
+    f = step_flops(tcfg)
+    assert f["text"] == 6 * n * 16
     t = CFG8.text
     assert f["attention"] == 3 * 4 * 2 * 64 * t.num_attention_heads * t.head_dim * t.num_hidden_layers
-    assert f["introspection"] == (f["6N_tokens"] + f["attention"]) // 3
-    assert f["total"] == f["6N_tokens"] + f["attention"] + f["introspection"]
+    assert f["introspection"] == (f["text"] + f["attention"]) // 3
+    assert f["total"] == f["text"] + f["attention"] + f["vision"] + f["introspection"]
 
 
 def test_all_gather_scanner_reads_compiled_hlo_lines():

@@ -9,11 +9,13 @@ import sys
 import time
 
 import numpy as np
+import jax
 import pytest
 import yaml
 
 from prisma_jax.apps.cli import main as cli_main
 from prisma_jax.core.config import ConfigError
+from train.flops import step_flops
 from train.config import config_from_raw, load_train_config
 from train.loop import run
 
@@ -43,7 +45,10 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
     resumed = str(tmp_path / "resumed")
     run(cfg, resumed, stop_at=4, progress=False, log=lambda *_: None)
     assert [m["step"] for m in losses(resumed)] == [1, 2, 3, 4]
-    run(cfg, resumed, progress=False, log=lambda *_: None)
+    with open(os.path.join(resumed, "metrics.jsonl"), "a") as f:    # a step logged after checkpoint 4, then killed
+        f.write(json.dumps({"step": 5, "loss": 1.0, "step_time": 2.5}) + "\n")
+    logged = []
+    run(cfg, resumed, progress=False, log=logged.append)
     a, b = losses(straight), losses(resumed)
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 9))
     for k in ("loss", "grad_norm", "lr", "code_mean", "code_low", "code_high", "tokens"):
@@ -53,6 +58,16 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
         assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "code_mean", "code_low", "code_high"} <= set(m)
     assert sorted(d for d in os.listdir(os.path.join(straight, "checkpoints")) if d.isdigit()) == ["6", "8"]
     assert any(f.startswith("events") for f in os.listdir(os.path.join(straight, "tb")))
+    # model TFLOP/s a device (train/flops.py over the step time; no MFU on a CPU), and the goodput split
+    flops = step_flops(cfg)["total"]
+    for m in a:
+        assert m["tflops"] == pytest.approx(flops / m["step_time"] / jax.device_count() / 1e12, rel=1e-9)
+        assert "mfu" not in m
+    with open(os.path.join(resumed, "goodput.json")) as f:
+        g = json.load(f)
+    assert g["lost_to_restarts_s"] == 2.5 and 0 < g["goodput"] < 1 and g["compile_s"] > 0
+    assert g["productive_s"] + g["compile_s"] + g["data_wait_s"] + g["checkpoint_s"] <= g["wall_s"] * 1.01
+    assert any(line.startswith("goodput ") and "lost to restarts" in line for line in logged)
 
 
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):

@@ -4,12 +4,14 @@ A training YAML holds the model (`model:`, prisma_jax/core/config.py's schema) a
 
     train:      steps, batch size, sequence length, accumulation, introspection passes, dtype, remat, freezing,
                 LoRA (`lora: {rank, alpha, targets, dropout}`: adapters on a frozen base; prisma_jax/nn/lora.py),
-                `logits_chunk` (the head and loss over sequence chunks: train/step.py `head_xent`)
+                `logits_chunk` (the head and loss over sequence chunks: train/step.py `head_xent`), `max_bad_steps`
+                (non-finite steps are skipped, this many in a row stop the run: train/step.py `skip_nonfinite`)
     optimizer:  AdamW + warmup-cosine + global-norm clipping; weight decay on kernels and embedding tables
                 (token embedding, position embedding, uncertainty table), never on norm scales or biases
     data:       source (jsonl | synthetic | tiny_sft), processor directory, image size, bad-input policies,
                 `packing` (several conversations a row, train/data.py `pack`)
-    checkpoint: how often, how many kept, asynchronous or not
+    checkpoint: how often, how many kept (the last `keep`, and every `keep_period`-th step for good), asynchronous
+                or not
 
 Every section is validated strictly: an unknown key is an error naming it (`train.stepz`), as is a value of
 the wrong type or outside its range. Overrides `section.key=value` (value parsed as YAML) are applied to the
@@ -49,6 +51,7 @@ class TrainSection:
     logits_chunk: int = 0               # tokens a chunk of the head + loss (train/step.py `head_xent`); 0 = whole S
     unroll_layers: bool | None = None   # decoder layers unrolled, not scanned; null = on CPU without remat (step.py)
     fused_loss: bool | None = None      # head + loss gradients computed chunk by chunk in the forward; null = on CPU
+    max_bad_steps: int | None = 8       # non-finite steps skipped, the run failing after this many in a row; null = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,7 @@ class DataSection:
 class CheckpointSection:
     every: int = 100
     keep: int = 3
+    keep_period: int | None = None      # also keep for good every checkpoint whose step is a multiple; null = off
     asynchronous: bool = True
 
 
@@ -191,6 +195,8 @@ def _check(c: Config) -> Config:
             c = dataclasses.replace(c, train=dataclasses.replace(c.train, lora=_lora(t.lora)))
         except ValueError as e:
             problems.append(str(e))
+    need(t.max_bad_steps is None or t.max_bad_steps >= 1,
+         f"train.max_bad_steps must be ≥ 1 or null (no check), got {t.max_bad_steps}")
     need(t.log_every >= 1, f"train.log_every must be ≥ 1, got {t.log_every}")
     need(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optimizer.warmup_steps must be ≥ 0, got {o.warmup_steps}")
@@ -210,6 +216,8 @@ def _check(c: Config) -> Config:
     need(not d.packing or d.source != "synthetic", "data.packing needs conversations (data.source jsonl or "
          "tiny_sft): synthetic records already fill train.seq_len")
     need(k.every >= 1 and k.keep >= 1, f"checkpoint.every and checkpoint.keep must be ≥ 1, got {k.every}, {k.keep}")
+    need(k.keep_period is None or k.keep_period >= 1,
+         f"checkpoint.keep_period must be ≥ 1 or null, got {k.keep_period}")
     if problems:
         raise ConfigError("; ".join(problems))
     return c

@@ -9,7 +9,8 @@ Workdir layout::
     DIR/checkpoints/<step>/meta                  the model and run config (the model is checked on resume);
                                                  with LoRA (the state then holds the trained leaves only) the
                                                  base's identity: train.init's path and crc32s, or the seed
-    DIR/metrics.jsonl                            one JSON object per logged step, written by process 0 only
+    DIR/metrics.jsonl                            one JSON object per logged step (and every skipped one),
+                                                 written by process 0 only
     DIR/tb/                                      the same scalars for TensorBoard (tensorboardX), process 0 only
 
 Running again with the same DIR resumes from its latest checkpoint; with the same config the losses equal
@@ -18,6 +19,11 @@ are restored exactly). `stop_at` (the CLI's `--steps N`) ends the run after glob
 the schedule, which `train.steps` defines. SIGTERM (a TPU preemption notice) lets the current step finish,
 saves, and returns normally (exit 0); on several processes a SIGTERM to any of them stops all of them after
 one common step (JAX's preemption sync point), which each saves.
+
+A step whose loss or gradient norm is not finite is skipped on the device (train/step.py `skip_nonfinite`): the
+loop counts and logs it, and after `train.max_bad_steps` in a row raises `NonFiniteError` (`prisma train` exits
+3). The counts travel in each checkpoint's meta, so a resumed run goes on counting. Nothing non-finite is saved:
+a step whose params' global norm is not finite raises before its save.
 
 On several processes (one per host) every process runs this loop on its own rows (`process_index::process_count`
 of the records): the metrics are the mesh's global values, so process 0 alone writes them (and shows the
@@ -28,11 +34,13 @@ so.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
 import sys
 import time
+import warnings
 import zlib
 
 import grain.checkpoint
@@ -45,6 +53,7 @@ from prisma_jax.core.partitioning import batch_shards
 
 from train import data as data_mod, sharded
 from train.config import Config
+from train.flops import device_peak, step_flops
 from train.step import TrainState, init_lora, init_state, make_train_step
 
 
@@ -71,6 +80,10 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self.old)
 
 
+class NonFiniteError(RuntimeError):
+    """The run cannot go on: too many non-finite steps in a row, or params that are not finite (nothing saved)."""
+
+
 CHECKPOINT_ITEMS = ("state", "data", "meta")
 
 
@@ -89,7 +102,7 @@ class _Manager(ocp.CheckpointManager):
 
 def _manager(cfg: Config, workdir: str) -> ocp.CheckpointManager:
     k = cfg.checkpoint
-    opts = ocp.CheckpointManagerOptions(save_interval_steps=k.every, max_to_keep=k.keep,
+    opts = ocp.CheckpointManagerOptions(save_interval_steps=k.every, max_to_keep=k.keep, keep_period=k.keep_period,
                                         enable_async_checkpointing=k.asynchronous)
     return _Manager(checkpoint_dir(workdir), options=opts, item_names=CHECKPOINT_ITEMS)
 
@@ -224,16 +237,74 @@ def compiled_step(cfg: Config, params, mesh=None):
     return _STEPS[cfg]
 
 
-def _trim_metrics(path: str, upto: int) -> None:
-    """Drop metric lines past the restored step (written after the checkpoint, before an interruption)."""
+def _trim_metrics(path: str, upto: int) -> float:
+    """Drop metric lines past the restored step (written after the checkpoint, before an interruption), and with
+    a warning any line that is not a JSON object with a step: the torn last line of a run killed mid-write or
+    stopped by a full disk, which would otherwise fail every resume. Returns the step time of the dropped
+    steps: work lost to the restart (goodput)."""
+    lost = 0.0
     if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= upto]
+        return lost
+    keep = []
+    with open(path, errors="replace") as f:
+        for i, ln in enumerate(f, 1):
+            if not ln.strip():
+                continue
+            try:
+                step = json.loads(ln)["step"]
+            except (ValueError, KeyError, TypeError):
+                warnings.warn(f"{path}:{i}: not a complete metrics line (torn by an interrupted write?), dropped: "
+                              f"{ln.strip()[:80]!r}", stacklevel=2)
+                continue
+            if step <= upto:
+                keep.append(ln.rstrip("\n") + "\n")
+            else:
+                lost += float(json.loads(ln).get("step_time", 0.0))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)
     os.replace(tmp, path)
+    return lost
+
+
+class Goodput:
+    """Where a run's wall time went: productive steps, the first step's compile (its time over the median step),
+    waiting for data (the first batch, and the host time building the next batch in steps whose device work
+    was already done when it was ready: an upper bound), checkpoint saves (their blocking part), and steps lost
+    to a restart (the step times of the metrics lines a resume drops: work done again). Measured on the host
+    of process 0; `ml-goodput-measurement` (what MaxText uses) records to Google Cloud Logging, which a run off
+    GCP (and this project's tests) does not have, so the same split is kept here."""
+
+    def __init__(self, lost: float = 0.0):
+        self.t0 = time.perf_counter()
+        self.steps: list[float] = []
+        self.data = self.save = self.fetched = 0.0
+        self.lost = lost
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        typical = float(np.median(self.steps[1:])) if len(self.steps) > 1 else 0.0
+        compile_s = max(0.0, self.steps[0] - typical) if self.steps else 0.0
+        productive = max(0.0, sum(self.steps) - compile_s - self.data)
+        return {"wall_s": wall, "productive_s": productive, "compile_s": compile_s, "data_wait_s": self.data,
+                "checkpoint_s": self.save, "lost_to_restarts_s": self.lost,
+                "goodput": productive / (wall + self.lost) if wall + self.lost > 0 else 0.0}
+
+    def line(self) -> str:
+        g = self.summary()
+        return (f"goodput {100 * g['goodput']:.1f} %: {g['productive_s']:.1f} s of productive steps in "
+                f"{g['wall_s']:.1f} s (+ {g['lost_to_restarts_s']:.1f} s lost to restarts); compile "
+                f"{g['compile_s']:.1f} s, data wait {g['data_wait_s']:.1f} s, checkpoint saves {g['checkpoint_s']:.1f} s")
+
+
+def _skip_counts(mngr: ocp.CheckpointManager, start: int) -> tuple[int, int]:
+    """(skipped steps in all, in a row) up to the restored checkpoint, from its meta; (0, 0) from scratch or from
+    a checkpoint saved before they were counted."""
+    if not start:
+        return 0, 0
+    meta = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    s = meta.get("skipped") or {}
+    return int(s.get("total", 0)), int(s.get("in_a_row", 0))
 
 
 def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = True, log=print) -> dict:
@@ -261,19 +332,21 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
         where = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
         log(f"data: {info.line() if info.records >= 0 else 'synthetic'}; "
             f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}{where}")
-        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh, base)
+        return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh, base,
+                     _skip_counts(mngr, start))
     finally:
         mngr.close()
 
 
-def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None, base=None):
+def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None, base=None, skips=(0, 0)):
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
     chief = jax.process_index() == 0      # the one process that writes metrics
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    if chief:
-        _trim_metrics(metrics_path, start)
+    goodput = Goodput(_trim_metrics(metrics_path, start) if chief else 0.0)
+    flops = step_flops(cfg)["total"]          # model FLOPs a step (train/flops.py), for TFLOP/s and MFU
+    n_dev, peak = jax.device_count(), device_peak(jax.devices()[0].device_kind)
     meta = {"model": cfg.model.to_dict(), "config": cfg.to_dict()}
     if base is not None:
         meta["base"] = base_identity(cfg)
@@ -283,20 +356,31 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                unit="step")
     last: dict = {}
     step = start
+    checked = cfg.train.max_bad_steps is not None
+    total, in_a_row = skips                            # skipped steps: in all, and the current run of them
 
     def save(step, st, data_state, force=False):
+        t = time.perf_counter()
+        _save(step, st, data_state, force)
+        goodput.save += time.perf_counter() - t
+
+    def _save(step, st, data_state, force):
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(st)),
                                                 data=grain.checkpoint.CheckpointSave(_Position(data_state)),
-                                                meta=ocp.args.JsonSave(meta)), force=force)
+                                                meta=ocp.args.JsonSave({**meta, "skipped": {
+                                                    "total": total, "in_a_row": in_a_row}})), force=force)
 
     def fetch():
+        t = time.perf_counter()
         b = next(iterator)
+        goodput.fetched = time.perf_counter() - t
         return b, iterator.get_state()                 # position after this batch = after its step
 
     preemption = _Preemption(start)
     try:
         with open(metrics_path if chief else os.devnull, "a") as mf:
             batch, next_data_state = fetch()
+            goodput.data += goodput.fetched                  # nothing to overlap the first batch with
             while step < stop_at:
                 t0 = time.perf_counter()
                 data_state = next_data_state
@@ -306,14 +390,24 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                         state, m = step_fn(state, sharded.put_batch(batch, mesh), *([] if base is None else [base]))
                 else:
                     state, m = step_fn(state, batch, *([] if base is None else [base]))
+                goodput.fetched = 0.0
                 if step + 1 < stop_at:   # the step runs asynchronously: build the next batch meanwhile
                     batch, next_data_state = fetch()
+                t_get = time.perf_counter()
                 m = jax.device_get(m)
+                if time.perf_counter() - t_get < 1e-3:    # the device was done first: the step waited on data
+                    goodput.data += goodput.fetched
                 dt = time.perf_counter() - t0
+                goodput.steps.append(dt)
                 step += 1
+                tflops = flops / dt / n_dev / 1e12        # model TFLOP/s a device
                 last = {"step": step, **{k: float(v) for k, v in m.items()}, "tokens_per_sec": n_in / dt,
-                        "step_time": dt}
-                if chief and (step % cfg.train.log_every == 0 or step == stop_at):
+                        "step_time": dt, "tflops": tflops, **({} if peak is None else {"mfu": tflops / peak})}
+                skipped = checked and bool(m["skipped"])
+                if checked:
+                    total, in_a_row = total + skipped, in_a_row + 1 if skipped else 0
+                    last.update(skipped=int(skipped), skipped_total=total)
+                if chief and (step % cfg.train.log_every == 0 or step == stop_at or skipped):
                     mf.write(json.dumps(last) + "\n")
                     mf.flush()
                     for k, v in last.items():
@@ -321,15 +415,42 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                             writer.add_scalar(f"train/{k}", v, step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}")
+                if skipped:
+                    log(f"step {step}: loss {last['loss']}, grad_norm {last['grad_norm']}: not finite, update "
+                        f"skipped ({in_a_row} in a row, {total} in all)")
+                    if in_a_row >= cfg.train.max_bad_steps:
+                        raise NonFiniteError(
+                            f"step {step}: {in_a_row} steps in a row had a non-finite loss or gradient norm "
+                            f"(train.max_bad_steps {cfg.train.max_bad_steps}; {total} skipped in all): stopping; "
+                            "none of their updates was applied, so the latest checkpoint holds the params from before them")
+                if checked and not math.isfinite(last["param_norm"]):
+                    raise NonFiniteError(f"step {step}: the params' global norm is {last['param_norm']}: "
+                                         "not saving a non-finite checkpoint; stopping")
                 stop = preemption.reached(step)   # read once: the save below and the exit agree
                 save(step, state, data_state, force=stop or step == stop_at)
                 if stop:
                     log(f"SIGTERM: saved step {step}, exiting")
                     break
+        t = time.perf_counter()
         mngr.wait_until_finished()
+        goodput.save += time.perf_counter() - t
     finally:
         preemption.close()
         bar.close()
+        if chief and goodput.steps:
+            g = goodput.summary()
+            log(goodput.line())
+            _write_json(os.path.join(workdir, "goodput.json"), g)
+            if writer is not None:
+                for k, v in g.items():
+                    writer.add_scalar(f"goodput/{k}", v, step)
         if writer is not None:
             writer.close()
     return last
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)

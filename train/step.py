@@ -6,6 +6,7 @@
         (every pass's head + loss/entropy: `head_xent`, in sequence chunks of `train.logits_chunk`; the last
          pass's on CPU: `fused_head_xent`, its gradients computed chunk by chunk in the forward)
     grads / (learned tokens of the whole batch) → clip by global norm → AdamW (warmup + cosine)
+    loss or gradient norm not finite → the update is not applied (`skip_nonfinite`; train.max_bad_steps: null = off)
 
 Weight decay (decoupled, AdamW's) applies to kernels and embedding tables (the uncertainty table included),
 never to norm scales or biases, chosen by leaf name (`decay_mask`), so stacked layers change nothing.
@@ -463,6 +464,21 @@ def grads_and_stats(cfg: Config, params: dict, batch: TrainBatch, base: dict | N
     return g, loss_sum / denom, n_tok, st
 
 
+def skip_nonfinite(loss, grad_norm, new: tuple, old: tuple, metrics: dict):
+    """(params, optimizer state) = `new` if the loss and the gradient norm are finite, else `old`, chosen on the
+    device (a select per leaf, fused into the update: no host sync, no branch), and the metrics with `skipped`
+    (int32 0/1) and `param_norm` (the global norm of the params returned, which the loop checks before saving).
+
+    A NaN or inf anywhere in the gradients makes their global norm non-finite, so this one scalar guards every
+    leaf. The whole optimizer state is kept (Adam's moments and its count, hence the schedule's position too),
+    as `optax.apply_if_finite` does, without its extra state: checkpoints keep their tree. The step counter and
+    the RNG still advance (train_step), so data, RNG and resume stay aligned with the step number."""
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params, opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return params, opt_state, {**metrics, "skipped": (~ok).astype(jnp.int32),
+                               "param_norm": optax.tree.norm(params)}
+
+
 def make_train_step(cfg: Config, params_like: dict | None = None):
     """`train_step(state, batch) -> (state, metrics)` for this config (pure; jit it, donating the state)."""
     tx = None if params_like is None else make_optimizer(cfg, params_like)
@@ -476,9 +492,13 @@ def make_train_step(cfg: Config, params_like: dict | None = None):
         params = jax.tree.map(lambda new, old, f: old if f else new, optax.apply_updates(state.params, updates),
                               state.params, frozen_mask(cfg, state.params))
         n = jnp.maximum(n_tok, 1.0)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(trainable), "lr": sched(state.step),
+        grad_norm = optax.global_norm(trainable)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state.step),
                    "tokens": n_tok, "code_mean": st["code_sum"] / n, "code_low": st["code_low"] / n,
                    "code_high": st["code_high"] / n}
+        if cfg.train.max_bad_steps is not None:     # null: the program is the one without the check
+            params, opt_state, metrics = skip_nonfinite(loss, grad_norm, (params, opt_state),
+                                                        (state.params, state.opt_state), metrics)
         rng, _ = jax.random.split(state.rng)
         return TrainState(state.step + 1, params, opt_state, rng), metrics
 

@@ -7,7 +7,7 @@ a CPU host, with the real TPU compiler (libtpu from the `[tpu]` extra) — nothi
 `jax.experimental.topologies.get_topology_desc` gives abstract TPU devices for the preset's topology
 (parallel/mesh.py PRESETS); every input is a `ShapeDtypeStruct` carrying its sharding (core/partitioning.py's rules). For each
 step we print per-device bytes from `memory_analysis()` against the chip's HBM ("fits" / "does not fit"),
-the analytic FLOPs (6·N·tokens + attention; XLA's cost analysis counts a scanned layer body once), and any
+the model FLOPs (train/flops.py; XLA's cost analysis counts a scanned layer body once), and any
 all-gather in the compiled HLO that materialises a whole table or `[B, V]` logits. `--mesh cpu-8` compiles
 for 8 simulated CPU devices instead. The programs are the real ones: the training step is train/step.py's
 `make_train_step` fed the batch train/data.py's `Collate` builds (its image slots included: a model-only YAML
@@ -38,9 +38,15 @@ from prisma_jax.core.config import ModelConfig, read_yaml
 from prisma_jax.parallel.mesh import PRESETS, Preset, make_mesh, preset
 from prisma_jax.parallel.placement import abstract_sharded_params, opt_state_shardings
 from prisma_jax.core.partitioning import batch_shards, spec_for
+from train.flops import device_peak, step_flops
 
 GiB = 2**30
-PEAK_BF16_TFLOPS = {"v5e": 197.0, "v5p": 459.0, "v4": 275.0}   # per chip, vendor figures
+
+
+def chip_peak(p: Preset) -> float | None:
+    """The bf16 TFLOP/s of one of the preset's chips (train/flops.py's table), None for the CPU presets."""
+    chip = (p.topology or "").split(":")[0]
+    return device_peak(f"TPU {chip}") if chip else None
 
 
 # ------------------------------------------------------------------------------------------------ devices
@@ -287,26 +293,6 @@ def forbidden_gathers(hlo_text: str, cfg: ModelConfig, batch: int) -> list[tuple
     return [g for g in all_gathers(hlo_text) if g[1] in bad]
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that multiply activations in the text stack (layers + lm_head); lookups are free."""
-    t = cfg.text
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    per_layer = t.hidden_size * (2 * q + 2 * kv) + 3 * t.hidden_size * t.intermediate_size
-    return t.num_hidden_layers * per_layer + t.hidden_size * t.vocab_size
-
-
-def train_flops(cfg: ModelConfig, batch: int, seq: int, passes: int = 1) -> dict:
-    """Analytic FLOPs of one step: 6·N·tokens + attention (QKᵀ and AV, 4·S²·H·hd a layer forward, counted
-    fully, ×3 for the backward) + (passes − 1) gradient-free introspection forwards."""
-    t = cfg.text
-    tokens = batch * seq
-    attn_fwd = 4 * batch * seq * seq * t.num_attention_heads * t.head_dim * t.num_hidden_layers
-    dense_fwd = 2 * matmul_params(cfg) * tokens
-    out = {"6N_tokens": 3 * dense_fwd, "attention": 3 * attn_fwd, "introspection": (passes - 1) * (dense_fwd + attn_fwd)}
-    out["total"] = sum(out.values())
-    return out
-
-
 def kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
     t = cfg.text
     return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * jnp.dtype(dtype).itemsize
@@ -340,7 +326,7 @@ def _train_plan_head(tcfg, mesh: Mesh) -> dict:
     """What every training-plan result names, compiled or not: mesh, batch, sequence and analytic FLOPs."""
     tr = tcfg.train
     return {"mesh": _mesh_str(mesh), "batch": tr.batch_size, "seq": tr.seq_len,
-            "flops": train_flops(tcfg.model, tr.batch_size, tr.seq_len, tr.introspection_passes)}
+            "flops": step_flops(tcfg)}
 
 
 _KERNEL = re.compile(r'kernel_name\s*=\s*"([A-Za-z0-9_]+)"')
@@ -459,14 +445,15 @@ def format_train(r: dict, p: Preset, tcfg) -> str:
              f"  per device: arguments {_gib(m.arguments)}, outputs {_gib(m.outputs)} (aliased {_gib(m.aliased)}), "
              f"temporaries {_gib(m.temporaries)} → {_gib(m.total)} of {hbm}{verdict}" if m is not None else
              f"  per device: {r['oom']}{verdict}",
-             f"  FLOPs/step: 6·N·tokens {f['6N_tokens']:.3e} + attention {f['attention']:.3e} + introspection "
-             f"{f['introspection']:.3e} = {f['total']:.3e} ({f['total'] / p.n_devices:.3e} per device)"]
+             f"  model FLOPs/step (train/flops.py): text {f['text']:.3e} + attention {f['attention']:.3e} + vision "
+             f"{f['vision']:.3e} + introspection {f['introspection']:.3e} = {f['total']:.3e} "
+             f"({f['total'] / p.n_devices:.3e} per device)"]
     if "attention" in r:       # not when the search ruled the step out without lowering it
         lines.append(f"  attention: {r['attention']} (model.attention={tcfg.model.attention})")
-    chip = (p.topology or "").split(":")[0]
-    if chip in PEAK_BF16_TFLOPS:
-        lines.append(f"  at 100% of the {chip} bf16 peak: {f['total'] / p.n_devices / (PEAK_BF16_TFLOPS[chip] * 1e12):.2f}"
-                     " s/step")
+    peak = chip_peak(p)
+    if peak is not None:
+        lines.append(f"  at 100% of the {p.topology.split(':')[0]} bf16 peak: "
+                     f"{f['total'] / p.n_devices / (peak * 1e12):.2f} s/step")
     lines.append(f"  compiled in {r['seconds']:.0f} s")
     return "\n".join(lines)
 
