@@ -219,6 +219,13 @@ def test_malformed_line_names_file_and_line_or_is_skipped(tmp_path):
         index_jsonl(jsonl_cfg(path, proc), path, processor)
     recs, info = index_jsonl(jsonl_cfg(path, proc, on_malformed="skip"), path, processor)
     assert (info.records, info.skipped_malformed) == (2, 1)
+    # a run names it in WORKDIR/skipped.jsonl and trains on
+    wd = str(tmp_path / "run")
+    last = run(jsonl_cfg(path, proc, on_malformed="skip"), wd, progress=False, log=lambda *_: None)
+    assert last["step"] == 2 and last["data_skipped"] == 0
+    with open(os.path.join(wd, "skipped.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["file"], r["line"]) for r in rows] == [(path, 2)] and "malformed JSON" in rows[0]["why"]
 
 
 def test_missing_image_is_a_clear_error(tmp_path):

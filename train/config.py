@@ -79,6 +79,7 @@ class DataSection:
     num_threads: int = 2                # grain read threads (image decoding)
     image_cache_mb: int = 0             # keep recently read records' processed pixels, up to this many MiB
     packing: bool = False               # several conversations a row (first-fit), told apart by segment ids
+    workers: int = 0                    # grain worker processes reading and decoding records (0: in this process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +214,7 @@ def _check(c: Config) -> Config:
     need(d.overlong in ("truncate", "drop"), f"data.overlong must be truncate or drop, got {d.overlong!r}")
     need(d.on_malformed in ("error", "skip"), f"data.on_malformed must be error or skip, got {d.on_malformed!r}")
     need(d.num_threads >= 0, f"data.num_threads must be ≥ 0, got {d.num_threads}")
+    need(d.workers >= 0, f"data.workers must be ≥ 0, got {d.workers}")
     need(not d.packing or d.source != "synthetic", "data.packing needs conversations (data.source jsonl or "
          "tiny_sft): synthetic records already fill train.seq_len")
     need(k.every >= 1 and k.keep >= 1, f"checkpoint.every and checkpoint.keep must be ≥ 1, got {k.every}, {k.keep}")

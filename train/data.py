@@ -53,6 +53,8 @@ class Record:
     supervised: np.ndarray  # [n] bool: assistant tokens
     images: list[str]      # absolute paths, in order, one per image run kept
     learned: np.ndarray | None = None   # [n] bool: supervised tokens with a loss (None: all supervised ones)
+    file: str = ""         # the JSONL file and line it came from (errors and skip records name them)
+    line: int = 0
 
 
 @dataclasses.dataclass
@@ -61,6 +63,7 @@ class DataInfo:
     truncated: int = 0
     dropped_overlong: int = 0
     skipped_malformed: int = 0
+    skipped_at_load: int = 0   # records found bad when read (images): masked out, counted by `Collate`, in this process
     rows: int = 0              # data.packing: rows the records were packed into
     fill: float = 0.0          # data.packing: real tokens / (rows · seq_len)
 
@@ -90,10 +93,33 @@ class SyntheticSource:
         return Record(ids.astype(np.int32), np.ones(s, bool), [])
 
 
-def _fail(policy: str, info: DataInfo, msg: str):
+def log_skip(log: str | None, file: str, line: int, why: str) -> None:
+    """Append one `{"file", "line", "why"}` JSON line to the skip log `log` (None: no log). One `os.write` on an
+    O_APPEND descriptor, opened and closed each time: safe from grain's read threads and worker processes."""
+    if not log:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    data = (json.dumps({"file": file, "line": line, "why": why}) + "\n").encode()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def skip_log_path(log: str | None, host: int, hosts: int) -> str | None:
+    """The skip log of one host: `log` itself on one host, `skipped.process_<host>.jsonl` beside it on several."""
+    if not log or hosts <= 1:
+        return log
+    return os.path.join(os.path.dirname(log), f"skipped.process_{host}.jsonl")
+
+
+def _fail(policy: str, info: DataInfo, file: str, line: int, why: str, log: str | None = None):
+    """A malformed record: `data.on_malformed: error` → ValueError naming file:line; `skip` → counted and logged."""
     if policy == "error":
-        raise ValueError(msg)
+        raise ValueError(f"{file}:{line}: {why}")
     info.skipped_malformed += 1
+    log_skip(log, file, line, why)
 
 
 def mark_loss(messages: list, where: str) -> tuple[list, list[bool]]:
@@ -160,9 +186,11 @@ def _cut(cfg: Config, ids: np.ndarray, limit: int) -> int:
     return cut
 
 
-def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataInfo]:
+def index_jsonl(cfg: Config, path: str, processor, skip_log: str | None = None) -> tuple[list[Record], DataInfo]:
     """Parse, validate and tokenize every line; apply the length policy. Errors name file and line. Message text
-    holding a special token's text (`<|im_end|>`, ...: `Processor.apply_chat_template` refuses it) is malformed."""
+    holding a special token's text (`<|im_end|>`, ...: `Processor.apply_chat_template` refuses it) is malformed,
+    as is a line that is not valid UTF-8 (the file is read as bytes, each line decoded on its own). With
+    `data.on_malformed: skip` each skipped line is appended to `skip_log` (when given): `log_skip`."""
     from prisma_jax.host.processing import expand_image_tokens
 
     d, s = cfg.data, cfg.train.seq_len
@@ -172,15 +200,21 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
     records = []
     if not os.path.isfile(path):
         raise ValueError(f"data.path {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                _fail(d.on_malformed, info, path, lineno,
+                      f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)", skip_log)
+                continue
+            try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                _fail(d.on_malformed, info, f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+                _fail(d.on_malformed, info, path, lineno, f"malformed JSON ({e.msg} at column {e.colno})", skip_log)
                 continue
             try:
                 if not isinstance(rec, dict) or not isinstance(rec.get("messages"), list) or not rec["messages"]:
@@ -195,7 +229,9 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
                 text = expand_image_tokens(text, [grid] * len(images), cfg.model.vision.spatial_merge_size)
                 ids, sup, learned = processor.encode_supervised(text, span_loss)
             except ValueError as e:
-                _fail(d.on_malformed, info, str(e) if str(e).startswith(where) else f"{where}: {e}")
+                why = str(e)
+                _fail(d.on_malformed, info, path, lineno,
+                      why[len(where) + 2:] if why.startswith(where + ": ") else why, skip_log)
                 continue
             if ids.size and (ids.min() < 0 or ids.max() >= cfg.model.text.vocab_size):
                 raise ValueError(f"{where}: token id {int(ids.max())} outside the model vocabulary "
@@ -208,7 +244,8 @@ def index_jsonl(cfg: Config, path: str, processor) -> tuple[list[Record], DataIn
                 info.truncated += 1
                 ids, sup, learned = ids[:cut], sup[:cut], learned[:cut]
                 images = images[:int(np.sum(ids == cfg.model.image_token_id)) // _tokens_per_image(cfg)]
-            records.append(Record(ids.astype(np.int32), sup.astype(bool), images, learned.astype(bool)))
+            records.append(Record(ids.astype(np.int32), sup.astype(bool), images, learned.astype(bool),
+                                  file=path, line=lineno))
     info.records = len(records)
     if not records:
         raise ValueError(f"{path}: no usable records ({info.line()})")
@@ -250,18 +287,35 @@ class PixelCache:
         self.__init__(state["budget"])
 
 
+class _GeometryError(ValueError):
+    """A configuration error (data.image_size vs the image processor), not a bad record: never skipped."""
+
+
 class LoadImages:
     """grain map: a `Record` — or, with `data.packing`, a packed row's list of them — → dict of fixed-length
     arrays plus the row's pixel rows (its conversations' images, in order). `mask` is bool for one conversation,
     int32 segment ids 1, 2, ... (0 = padding) for a packed row. `data.image_cache_mb` > 0: each record's
-    processed pixels are kept in a `PixelCache` of that many MiB."""
+    processed pixels are kept in a `PixelCache` of that many MiB.
 
-    def __init__(self, cfg: Config, image_processor):
-        self.cfg, self.improc = cfg, image_processor
+    A record whose images cannot be read (missing, truncated, not an image, a PIL decompression bomb) is bad only
+    now: `data.on_malformed: error` → ValueError naming its file:line and the reason; `skip` → the record is left
+    out of its row (a row of one conversation becomes all padding: no attention, no target, zero loss weight),
+    so the batch keeps its shape; `"skipped"` in the result counts it and it is appended to `skip_log` (once per
+    process), from whichever thread or grain worker process read it."""
+
+    def __init__(self, cfg: Config, image_processor, skip_log: str | None = None):
+        self.cfg, self.improc, self.skip_log = cfg, image_processor, skip_log
         g = cfg.data.image_size // cfg.model.vision.patch_size
         self.grid = np.array([1, g, g])
         mb = cfg.data.image_cache_mb
         self.cache = PixelCache(mb << 20) if mb else None
+        self.logged: set = set()                 # (file, line) already in the skip log, this process
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "logged"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, logged=set())
 
     def __call__(self, item) -> dict:
         recs = item if isinstance(item, (list, tuple)) else [item]
@@ -271,29 +325,58 @@ class LoadImages:
             raise ValueError(f"a row of {n} tokens does not fit train.seq_len = {s}")
         ids, seg = np.zeros(s, np.int32), np.zeros(s, np.int32)
         sup, learned = np.zeros(s, bool), np.zeros(s, bool)
-        pixels, at = [], 0
-        for k, rec in enumerate(recs):
+        pixels, at, k, skipped = [], 0, 0, 0
+        for rec in recs:
+            px = None
+            if rec.images:
+                px = self._read(rec)
+                if px is None:
+                    skipped += 1
+                    continue
+                pixels.append(px)
+            k += 1
             span = slice(at, at + len(rec.ids))
-            ids[span], seg[span], sup[span] = rec.ids, k + 1, rec.supervised
+            ids[span], seg[span], sup[span] = rec.ids, k, rec.supervised
             learned[span] = rec.supervised if rec.learned is None else rec.supervised & rec.learned
             at = span.stop
-            if rec.images:
-                pixels.append(self._pixels(rec) if self.cache is None else
-                              self.cache.get(tuple(rec.images), lambda: self._pixels(rec)))
         mask = seg if isinstance(item, (list, tuple)) else seg > 0
         return {"ids": ids, "mask": mask, "supervised": sup, "learned": learned,
-                "pixels": np.concatenate(pixels) if pixels else None}
+                "pixels": np.concatenate(pixels) if pixels else None, "skipped": skipped}
+
+    def _read(self, rec: Record) -> np.ndarray | None:
+        """The record's processed pixels; None for a skipped bad record (`data.on_malformed: skip`)."""
+        try:
+            return (self._pixels(rec) if self.cache is None else
+                    self.cache.get(tuple(rec.images), lambda: self._pixels(rec)))
+        except _GeometryError:
+            raise
+        except Exception as e:         # unreadable/truncated/unidentifiable image, DecompressionBombError, ...
+            why = str(e) if isinstance(e, ValueError) else f"cannot read image: {type(e).__name__}: {e}"
+        where = f"{rec.file}:{rec.line}" if rec.file else f"record with images {rec.images}"
+        if self.cfg.data.on_malformed == "error":
+            raise ValueError(f"{where}: {why}") from None
+        if (rec.file, rec.line) not in self.logged:
+            self.logged.add((rec.file, rec.line))
+            log_skip(self.skip_log, rec.file, rec.line, why)
+        return None
 
     def _pixels(self, rec: Record) -> np.ndarray:
         from PIL import Image
 
         from prisma_jax.host.processing import load_image
+        def read(p):
+            try:
+                return load_image(p)
+            except ValueError:
+                raise
+            except Exception as e:        # PIL's DecompressionBombError, ... (load_image lets them through)
+                raise ValueError(f"cannot read image {p!r}: {type(e).__name__}: {e}") from None
         size = self.cfg.data.image_size
-        pil = [load_image(p).resize((size, size), Image.BICUBIC) for p in rec.images]
+        pil = [read(p).resize((size, size), Image.BICUBIC) for p in rec.images]
         enc = self.improc(images=pil, return_tensors="np")
         grids = np.asarray(enc["image_grid_thw"])
         if not (grids == self.grid).all():
-            raise ValueError(f"the image processor resized {size}×{size} images to grid {grids[0].tolist()}, "
+            raise _GeometryError(f"the image processor resized {size}×{size} images to grid {grids[0].tolist()}, "
                              f"not {self.grid.tolist()}: make data.image_size² fit its min/max_pixels")
         return np.asarray(enc["pixel_values"], np.float32)
 
@@ -347,10 +430,11 @@ def row_geometry(cfg: Config) -> VisionGeometry | None:
 
 
 class Collate:
-    """Samples of one per-host batch → `TrainBatch` (NumPy) with a leading grad_accum axis."""
+    """Samples of one per-host batch → `TrainBatch` (NumPy) with a leading grad_accum axis. The records that
+    `LoadImages` left out as bad (`"skipped"`) are added up in `info.skipped_at_load` when `info` is given."""
 
-    def __init__(self, cfg: Config, per_host_batch: int):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, per_host_batch: int, info: DataInfo | None = None):
+        self.cfg, self.info = cfg, info
         self.a = cfg.train.grad_accum
         self.b = per_host_batch // self.a
         g = cfg.data.image_size // cfg.model.vision.patch_size
@@ -374,6 +458,8 @@ class Collate:
 
     def __call__(self, samples: list[dict]) -> TrainBatch:
         m = self.cfg.model
+        if self.info is not None:
+            self.info.skipped_at_load += sum(int(r.get("skipped", 0)) for r in samples)
         cols = {k: [] for k in TrainBatch._fields if k not in ("geometry", "pixel_values")}
         pixels = (np.zeros((self.a, self.b, self.slots * self.patches, m.vision.patch_dim), np.float32)
                   if self.slots else None)
@@ -408,12 +494,22 @@ class Collate:
 
 # ---------------------------------------------------------------------------------------------- the pipeline
 
-def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None = None):
+def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None = None,
+          skip_log: str | None = None, workers: int | None = None):
     """(grain IterDataset of TrainBatch, DataInfo). Per host: records `host::hosts` (default this process's
-    `process_index::process_count`)."""
+    `process_index::process_count`).
+
+    `skip_log` (e.g. WORKDIR/skipped.jsonl): every record skipped under `data.on_malformed: skip` gets a JSON line
+    {"file", "line", "why"} there — those of the index pass from host 0 only (every host indexes the same file),
+    those found bad when read from the host (thread or worker process) that read them; with several hosts each
+    writes `skipped.process_<i>.jsonl` beside it. `workers` (default `data.workers` when the config has it, else
+    0): grain worker processes for reading and decoding (`mp_prefetch`); batches are collated in this process,
+    so `info.skipped_at_load` counts every record skipped while reading."""
     d, t = cfg.data, cfg.train
     hosts = jax.process_count() if hosts is None else hosts
     host = jax.process_index() if host is None else host
+    workers = getattr(d, "workers", 0) if workers is None else workers
+    log = skip_log_path(skip_log, host, hosts)
     if t.batch_size % (hosts * t.grad_accum):
         raise ValueError(f"train.batch_size {t.batch_size} must divide into {hosts} hosts × "
                          f"{t.grad_accum} micro-batches")
@@ -427,7 +523,7 @@ def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None 
             from train.tiny_sft import generate
             path, proc_dir = generate(os.path.join(workdir, "tiny_sft_data"))
         processor = Processor.from_pretrained(proc_dir)
-        records, info = index_jsonl(cfg, path, processor)
+        records, info = index_jsonl(cfg, path, processor, log if host == 0 else None)
         improc = processor.image_processor
         if d.max_images and improc is None:
             raise ValueError(f"{proc_dir}: no preprocessor_config.json but data.max_images = {d.max_images}")
@@ -443,7 +539,13 @@ def build(cfg: Config, workdir: str, host: int | None = None, hosts: int | None 
     ds = ds[host::hosts]
     if d.shuffle and d.source != "synthetic":
         ds = ds.shuffle(seed=t.seed)
-    ds = ds.repeat(None).map(LoadImages(cfg, improc))
+    ds = ds.repeat(None).map(LoadImages(cfg, improc, log))
     opts = grain.ReadOptions(num_threads=d.num_threads, prefetch_buffer_size=max(2 * per_host, 1))
-    it = ds.to_iter_dataset(opts).batch(per_host, drop_remainder=True, batch_fn=Collate(cfg, per_host))
+    it = ds.to_iter_dataset(opts)
+    if workers:
+        from absl import flags
+        if not flags.FLAGS.is_parsed():       # grain's worker processes read absl flags; no absl main parsed them
+            flags.FLAGS.mark_as_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=per_host))
+    it = it.batch(per_host, drop_remainder=True, batch_fn=Collate(cfg, per_host, info))
     return it, info

@@ -323,7 +323,7 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
     if jax.process_count() > 1 and not jax.config.jax_enable_preemption_service:
         raise ValueError("training on several processes needs JAX's preemption service (jax_enable_preemption_service, "
                          "on by default), so that a SIGTERM stops every process after the same step")
-    dataset, info = data_mod.build(cfg, workdir)
+    dataset, info = data_mod.build(cfg, workdir, skip_log=os.path.join(workdir, "skipped.jsonl"))
     iterator = iter(dataset)
     mngr = _manager(cfg, workdir)
     try:
@@ -333,12 +333,13 @@ def run(cfg: Config, workdir: str, stop_at: int | None = None, progress: bool = 
         log(f"data: {info.line() if info.records >= 0 else 'synthetic'}; "
             f"{'resuming from step ' + str(start) if start else 'starting from scratch'} in {workdir}{where}")
         return _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh, base,
-                     _skip_counts(mngr, start))
+                     _skip_counts(mngr, start), info)
     finally:
         mngr.close()
 
 
-def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None, base=None, skips=(0, 0)):
+def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, mesh=None, base=None, skips=(0, 0),
+          info=None):
     from tensorboardX import SummaryWriter
     from tqdm import tqdm
 
@@ -403,6 +404,8 @@ def _loop(cfg, workdir, mngr, iterator, state, start, stop_at, progress, log, me
                 tflops = flops / dt / n_dev / 1e12        # model TFLOP/s a device
                 last = {"step": step, **{k: float(v) for k, v in m.items()}, "tokens_per_sec": n_in / dt,
                         "step_time": dt, "tflops": tflops, **({} if peak is None else {"mfu": tflops / peak})}
+                if info is not None and info.records >= 0:    # records found bad when loaded (train/data.py)
+                    last["data_skipped"] = info.skipped_at_load
                 skipped = checked and bool(m["skipped"])
                 if checked:
                     total, in_a_row = total + skipped, in_a_row + 1 if skipped else 0
