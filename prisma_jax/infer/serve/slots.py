@@ -9,10 +9,11 @@ Each slot is one row of a dense KV cache of `max_len` entries. A request is pref
 `prompt_pass` (its prompt bucket, vision included; one program per bucket, whatever max_new is) and its cache
 copied into a free row without the prompt's left padding (`shift`): its n prompt tokens in entries [0, n), the
 token generated at step t at entry n + t — generate.py's layout, each row's keys its first entries, which TPU's
-paged decode kernel reads as they are (attention.py). From then on every slot carries a `core.DecodeState` row — last token, the uint16 code of the distribution it was drawn from (docs/introspection-contract.md
-§4), M-RoPE position, PRNG key, done flag, count — plus what `generate` keeps per call and a slot must keep per row:
-its cache entry (`write`), `max_new`, sampling parameters and end ids. All are data: requests come and go
-without recompiling.
+paged decode kernel reads as they are (attention.py). From then on every slot carries a row of the decode
+core's `DecodeState` — last token, the uint16 code of the distribution it was drawn from
+(docs/introspection-contract.md §4), M-RoPE position, cache entry (`write`) — plus what `generate` keeps per
+call and a slot must keep per row: PRNG key, done flag, count, `max_new`, sampling parameters and end ids. All
+are data: requests come and go without recompiling.
 
 `advance` runs the model once per step on all slots, each row at its own cache entry (the cached forward of
 `generate.decode`'s steps), over the first `window` entries of the cache only (a static power of two
