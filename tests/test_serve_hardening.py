@@ -4,6 +4,8 @@ release path, a hung engine (watchdog: 503s, `on_fatal`), timeouts, disconnects 
 (API key, content type, Host, body size), bounded fields, and incremental detokenization against whole-text
 decoding. None of these assert a duration: waits are on events and counters."""
 import concurrent.futures as cf
+import logging
+import signal
 import threading
 import time
 
@@ -323,3 +325,47 @@ def test_max_len_defaults_to_the_model(ckpt, capsys):
     assert default_max_len(short) == 2048 and default_max_len(long) == 4096
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         Engine(model, max_len=model.config.text.max_position_embeddings + 1)
+
+
+def test_prisma_serve_exits_1_when_the_engine_dies(ckpt, monkeypatch, capsys):
+    """`prisma serve`'s wiring: the engine's on_fatal stops uvicorn and the command returns 1 (a supervisor
+    restarts it). uvicorn is replaced by a stand-in whose serving lets the engine die, as the watchdog does
+    (uvicorn's own Config would reconfigure this process's logging)."""
+    import threading as th
+
+    import uvicorn
+
+    from prisma_jax.apps.cli import main
+    from prisma_jax.infer.serve import engine as E
+
+    d, _, _ = ckpt
+    seen = {}
+
+    class Server:
+        def __init__(self, config):
+            self.should_exit = False
+
+        def run(self):
+            seen["before"] = self.should_exit
+            seen["engine"]._die("a device call made no progress for 600 s")
+            seen["after"] = self.should_exit
+
+    real_start = E.Engine.start
+
+    def start(self):
+        seen["engine"] = self
+        return real_start(self)
+
+    monkeypatch.setattr(uvicorn, "Config", lambda *a, **k: None)
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    monkeypatch.setattr(E.Engine, "start", start)
+    monkeypatch.setattr(th, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    monkeypatch.setattr(signal, "signal", lambda *a: None)          # this process keeps its own handlers ...
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)   # ... and its logging
+    try:
+        assert main(["serve", "--model", d, "--port", "1", "--slots", "1"]) == 1
+    finally:
+        if "engine" in seen:
+            seen["engine"].stop(5)
+    assert seen["before"] is False and seen["after"] is True
+    assert "the engine died (a device call made no progress for 600 s); exiting 1" in capsys.readouterr().out
