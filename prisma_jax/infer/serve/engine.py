@@ -193,7 +193,7 @@ class Engine:
         period = min(1.0, self.stall_timeout / 4)
         while not self._stopped.wait(period):
             since = self._call_since
-            if self._thread is not None and not self._thread.is_alive() and not self._stopped.is_set():
+            if self._thread is not None and not self._thread.is_alive() and not self._closing:   # (stop ends it)
                 self._die("the engine thread ended unexpectedly")
             elif since is not None and time.monotonic() - since > self.stall_timeout:
                 self._die(f"a device call made no progress for {self.stall_timeout:g} s")
