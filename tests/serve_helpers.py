@@ -7,6 +7,7 @@ import io
 import json
 import os
 import socket
+import time
 
 import numpy as np
 from PIL import Image
@@ -39,6 +40,14 @@ def png_bytes(seed: int) -> bytes:
 
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def wait_until(cond, seconds: float = 30.0, what: str = "condition") -> None:
+    """Poll `cond` every 20 ms until it holds; fail after `seconds` (a deadline, not a measurement)."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def free_port() -> int:

@@ -36,7 +36,7 @@ import openai
 import pytest
 from PIL import Image
 
-from serve_helpers import agreement, data_url, free_port, make_checkpoint, png_bytes
+from serve_helpers import agreement, data_url, free_port, make_checkpoint, png_bytes, wait_until as _wait
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -75,13 +75,6 @@ class Served:
     def tail(self) -> str:
         with open(self.log, errors="replace") as f:
             return f.read()[-4000:]
-
-
-def _wait(cond, seconds: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _idle(srv: Served) -> dict:

@@ -2,12 +2,11 @@
 answers while the image processor is blocked, no compile after `--warmup` for any image size, faults in the
 release path, a hung engine (watchdog: 503s, `on_fatal`), timeouts, disconnects before the stream, the gate
 (API key, content type, Host, body size), bounded fields, and incremental detokenization against whole-text
-decoding. None of these assert a duration: waits are on events and counters."""
+decoding. Waits are on events and counters, each with a deadline against a hang."""
 import concurrent.futures as cf
 import logging
 import signal
 import threading
-import time
 
 import httpx
 import jax
@@ -20,7 +19,7 @@ from prisma_jax.host.processing import Processor
 from prisma_jax.infer.serve.app import ServeLimits
 from prisma_jax.infer.serve.engine import Tokens
 from prisma_jax.infer.serve.output import Output
-from serve_helpers import data_url, make_checkpoint, solo, start
+from serve_helpers import data_url, make_checkpoint, solo, start, wait_until as _wait
 
 MSGS = [{"role": "user", "content": "w1 w2 w3"}]
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -30,13 +29,6 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 def ckpt(tmp_path_factory):
     d = make_checkpoint(str(tmp_path_factory.mktemp("serve")))
     return d, PrismaVL.from_pretrained(d), Processor.from_pretrained(d)
-
-
-def _wait(cond, seconds=60.0):
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def _chat(url, messages=MSGS, max_tokens=4, timeout=120, **kw):
@@ -141,7 +133,7 @@ def test_a_fault_in_the_release_path_fails_only_the_live_requests(ckpt):
                 # the second client left: releasing its slot fails, so the live one fails with it, loudly
                 rest = [x for x in kept_lines if x]
                 assert any('"engine_error"' in x for x in rest) and rest[-1] == "data: [DONE]"
-        _wait(lambda: engine.load()["busy"] == 0)
+        _wait(lambda: engine.load()["busy"] == 0, 60)
         assert calls and engine.alive
         r = _chat(server.url)                           # and the engine serves on
         assert r.status_code == 200
@@ -197,7 +189,7 @@ def test_timeouts_and_a_disconnect_before_the_stream_free_the_slot(ckpt):
                               json={"model": "tiny", "messages": MSGS, "max_tokens": 50, "stream": True}) as s:
                 next(s.iter_lines())
         hold.set()
-        _wait(lambda: engine.load()["busy"] == 0 and engine.load()["queued"] == 0)
+        _wait(lambda: engine.load()["busy"] == 0 and engine.load()["queued"] == 0, 60)
         assert _chat(server.url).status_code == 200
         assert engine.load()["busy"] == 0
     finally:
@@ -279,7 +271,7 @@ def test_a_full_queue_is_429_before_any_tokenization(ckpt):
                 assert next(s.iter_lines()).startswith("data: {")
                 r = _chat(server.url, _image_msgs(_png(64, 96)))
                 assert r.status_code == 429 and encoded == []
-        _wait(lambda: engine.load()["busy"] == 0)
+        _wait(lambda: engine.load()["busy"] == 0, 60)
     finally:
         server.close()
 

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from prisma_jax import PrismaVL
 from prisma_jax.host.processing import Processor
-from serve_helpers import agreement, free_port, pieces_of, make_checkpoint, solo, start
+from serve_helpers import agreement, free_port, pieces_of, make_checkpoint, solo, start, wait_until as _wait
 
 MSGS = [{"role": "user", "content": "w1 w2 w3"}]
 
@@ -29,13 +28,6 @@ def _chat(url, max_tokens=8, stream=False, **kw):
     return httpx.post(url + "/v1/chat/completions", timeout=120,
                       json={"model": "tiny", "messages": MSGS, "max_tokens": max_tokens, "temperature": 0,
                             "stream": stream, **kw})
-
-
-def _wait(cond, seconds=30.0):
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_full_queue_429_and_a_disconnect_frees_the_slot(ckpt):

@@ -35,6 +35,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import hmac
 import ipaddress
 import json
 import logging
@@ -450,8 +451,6 @@ class _Gate:
 
 
 def _same(a: str, b: str) -> bool:
-    import hmac
-
     return hmac.compare_digest(a.encode(), b.encode())
 
 
