@@ -30,7 +30,7 @@ import numpy as np
 from prisma_jax.infer import core
 from prisma_jax.nn.attention import IMPLS
 from prisma_jax.core.config import ModelConfig, load_config
-from prisma_jax.host.inputs import prepare
+from prisma_jax.host.inputs import pad_rows, prepare
 from prisma_jax.checkpoint.loading import load_hf, resolve_dtype
 from prisma_jax.nn.params import init_params_numpy
 from prisma_jax.quant.int8 import check_mode, is_quantized
@@ -141,13 +141,15 @@ class PrismaVL:
 
     def _place(self, batch):
         """A host `model.Batch` → (device arrays laid out by the batch rules, its real row count); under a mesh
-        the rows are first padded to a multiple of its batch shards (`_pad_rows`). Unchanged without a mesh."""
+        the rows are first padded to a multiple of its batch shards (`host.inputs.pad_rows`). Unchanged without a mesh."""
         rows = batch.input_ids.shape[0]
         if self.mesh is None:
             return batch, rows
         from prisma_jax.parallel.distribute import shard_batch
 
-        return shard_batch(_pad_rows(self.config, batch, -rows % batch_shards(self.mesh)), self.mesh), rows
+        cfg = self.config
+        fill = min({0, 1, 2} - {cfg.image_token_id, cfg.video_token_id})
+        return shard_batch(pad_rows(cfg, batch, -rows % batch_shards(self.mesh), fill), self.mesh), rows
 
     # ------------------------------------------------------------------------------------------ inference
     def prepare(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None, codes_in=None):
@@ -188,21 +190,6 @@ class PrismaVL:
             return generate(self.config, self.params, input_ids, attention_mask, pixel_values, image_grid_thw,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, eos_token_id=eos_token_id, **kw)
-
-
-def _pad_rows(cfg: ModelConfig, batch, more: int):
-    """`batch` (host arrays) with `more` dummy rows appended, so that a mesh splits the rows evenly: text only,
-    left-padded, one real token each (an id that is no vision placeholder); callers drop their outputs. The
-    packed pixel_values belong to the real rows and stay as they are."""
-    if not more:
-        return batch
-    fill = min({0, 1, 2} - {cfg.image_token_id, cfg.video_token_id})
-    mask = np.zeros((more, batch.input_ids.shape[1]), bool)
-    mask[:, -1] = True
-    pad = prepare(cfg, np.full(mask.shape, fill), mask)
-    cat = lambda k, axis=0: np.concatenate([getattr(batch, k), getattr(pad, k)], axis)  # noqa: E731
-    return batch._replace(input_ids=cat("input_ids"), attention_mask=cat("attention_mask"), codes=cat("codes"),
-                          positions=cat("positions", 1))
 
 
 def _as_mesh(mesh) -> jax.sharding.Mesh:

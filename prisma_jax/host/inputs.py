@@ -100,6 +100,22 @@ def prepare(cfg: ModelConfig, input_ids, attention_mask=None, pixel_values=None,
                  None if pv is None else np.asarray(pv, np.float32) if pv.dtype != np.float32 else pv, geo)
 
 
+def pad_rows(cfg: ModelConfig, batch: Batch, more: int, fill: int = 0) -> Batch:
+    """`batch` (host arrays, from `prepare`) with `more` dummy rows appended, so that a mesh's batch shards split
+    the rows evenly: text only, left-padded, one real token `fill` each (not a vision placeholder); callers drop
+    their outputs. Packed pixel_values belong to the real rows and stay as they are."""
+    if not more:
+        return batch
+    if fill in (cfg.image_token_id, cfg.video_token_id):
+        raise ValueError(f"pad_rows: fill {fill} is a vision placeholder id")
+    mask = np.zeros((more, batch.input_ids.shape[1]), bool)
+    mask[:, -1] = True
+    pad = prepare(cfg, np.full(mask.shape, fill, np.int64), mask)
+    cat = lambda k, axis=0: np.concatenate([np.asarray(getattr(batch, k)), getattr(pad, k)], axis)  # noqa: E731
+    return batch._replace(input_ids=cat("input_ids"), attention_mask=cat("attention_mask"), codes=cat("codes"),
+                          positions=cat("positions", 1))
+
+
 def _segment_ids(m) -> np.ndarray:
     """Packed rows' attention_mask → [B, S] int32 segment ids, checked: integers ≥ 0, each id one run per row."""
     if m.dtype == bool:

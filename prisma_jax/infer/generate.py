@@ -38,7 +38,7 @@ import numpy as np
 
 from prisma_jax.nn import model as M
 from prisma_jax.core.config import ModelConfig
-from prisma_jax.host.inputs import prepare
+from prisma_jax.host.inputs import pad_rows, prepare
 from prisma_jax.infer import core
 from prisma_jax.infer.core import DecodeState
 from prisma_jax.infer.sampling import SamplingParams, UncertaintyTemperature, check_sampling
@@ -313,16 +313,13 @@ def request(cfg: ModelConfig, inputs: Inputs, sampling: SamplingParams = Samplin
     ids_p = np.concatenate([np.full((b, extra), fill, np.int64), batch.input_ids], axis=1)
     mask_p = np.concatenate([np.zeros((b, extra), bool), mask], axis=1)
     mesh = jax.sharding.get_abstract_mesh()
-    more = 0 if mesh.empty else -b % batch_shards(mesh)
-    if more:
-        ids_p = np.concatenate([ids_p, np.full((more, ids_p.shape[1]), fill, np.int64)])
-        mask_p = np.concatenate([mask_p, np.zeros((more, mask_p.shape[1]), bool)])
-        mask_p[b:, -1] = True
     batch = prepare(cfg, ids_p, mask_p, pixel_values, image_grid_thw)
+    batch = pad_rows(cfg, batch, 0 if mesh.empty else -b % batch_shards(mesh), fill)
     if not introspection:
         batch = batch._replace(codes=np.full_like(batch.codes, NONE))
     pos = np.asarray(batch.positions)
-    next_pos = np.where(mask_p[None], pos, -1).max(axis=(0, 2)) + 1                # text position + rope delta
+    real = np.asarray(batch.attention_mask) > 0
+    next_pos = np.where(real[None], pos, -1).max(axis=(0, 2)) + 1                  # text position + rope delta
 
     greedy_ = temperature == 0
     fn = temperature_fn or UncertaintyTemperature()
